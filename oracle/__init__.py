@@ -1,0 +1,12 @@
+"""The host-side reference decoder: the independent second opinion every fast path must match.
+
+It calls the model's forward pass as a black box and llguidance for masks, and nothing of
+specdec's masking, sampling or acceptance code: masks are unpacked and samples drawn in
+numpy, from the documented definitions.
+"""
+
+from .compare import Divergence, first_divergence, report
+from .reference import OracleResult, OracleStep, reference_decode
+
+__all__ = ["Divergence", "OracleResult", "OracleStep", "first_divergence", "reference_decode",
+           "report"]

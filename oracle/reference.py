@@ -1,0 +1,127 @@
+"""One token per target forward, everything after the logits done in numpy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import llguidance.numpy as llnp
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher
+from mlx_lm.models.cache import make_prompt_cache
+
+from .sampler import decision_scores, gumbel, unpack_mask
+
+SPOT_CHECKS = 6  # tokens per step whose mask bit is re-derived with validate_tokens
+
+
+class OracleError(AssertionError):
+    """The reference found an inconsistency (mask bit vs validate_tokens, forced EOS missing)."""
+
+
+@dataclass(frozen=True)
+class OracleStep:
+    """One decided position: the pick, the runner-up, and their score margin."""
+
+    token: int
+    runner_up: int
+    margin: float
+    allowed: int  # how many tokens the mask allowed
+
+
+@dataclass(frozen=True)
+class OracleResult:
+    tokens: tuple[int, ...]  # generated ids, EOS excluded
+    finish_reason: str
+    steps: tuple[OracleStep, ...]
+
+
+def _logits_np(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32), dtype=np.float32, copy=True)
+
+
+def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
+                     eos_token_ids: Sequence[int], max_tokens: int,
+                     matcher: LLMatcher | None = None, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> OracleResult:
+    """Decode like the contract says, one forward per token, checking masks as it goes.
+
+    Args:
+        model: mlx-lm model called as a black box: `model(ids (1, T), cache) -> (1, T, V)`.
+        prompt: prompt token ids.
+        vocab_size: logits width.
+        eos_token_ids: ids that end the output.
+        max_tokens: most tokens to generate.
+        matcher: a fresh llguidance matcher for the request's grammar (advanced here).
+        temperature, top_k, top_p, seed: the documented decision rule's parameters.
+    Returns:
+        Tokens, finish reason ("stop" / "length") and per-step margins.
+    Raises:
+        OracleError: llguidance's mask and its own validate_tokens disagree, or the grammar
+            completed and the mask did not force EOS.
+    """
+    eos = set(int(e) for e in eos_token_ids)
+    cache = make_prompt_cache(model)
+    out = model(mx.array([list(prompt)], dtype=mx.int32), cache=cache)
+    logits = _logits_np(out[0, -1])
+    rng = np.random.default_rng(12345)  # only chooses which tokens to spot-check
+    bitmask = llnp.allocate_token_bitmask(1, vocab_size)
+    tokens: list[int] = []
+    steps: list[OracleStep] = []
+    finish = "length"
+    for i in range(max_tokens):
+        x = logits.copy()
+        if matcher is not None:
+            llnp.fill_next_token_bitmask(matcher, bitmask, 0)
+            if matcher.is_error():
+                raise OracleError(f"matcher error: {matcher.get_error()}")
+            allowed = unpack_mask(bitmask[0], vocab_size)
+            _spot_check(matcher, allowed, x, rng, eos)
+            x[~allowed] = -np.inf
+        noise = None if temperature == 0.0 else gumbel(seed, i, vocab_size)
+        scores = decision_scores(x, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 noise=noise)
+        tok = int(np.argmax(scores))
+        order = np.argsort(-scores, kind="stable")[:2]
+        runner = int(order[1]) if order[0] == tok else int(order[0])
+        steps.append(OracleStep(tok, runner, float(scores[tok] - scores[runner]),
+                                int(np.isfinite(x).sum())))
+        if matcher is not None:
+            was_stopped = matcher.is_stopped()
+            if not matcher.consume_token(tok):
+                raise OracleError(f"step {i}: matcher refused its own allowed token {tok}")
+            if was_stopped and tok not in eos:
+                raise OracleError(f"step {i}: grammar complete but {tok} was allowed")
+        if tok in eos:
+            finish = "stop"
+            break
+        tokens.append(tok)
+        if matcher is not None and matcher.is_stopped() and i + 1 == max_tokens:
+            finish = "stop"  # complete exactly at the limit: only EOS could have followed
+            break
+        if i + 1 < max_tokens:
+            logits = _logits_np(model(mx.array([[tok]], dtype=mx.int32), cache=cache)[0, -1])
+    return OracleResult(tuple(tokens), finish, tuple(steps))
+
+
+def _spot_check(matcher: LLMatcher, allowed: np.ndarray, logits: np.ndarray,
+                rng: np.random.Generator, eos: set[int]) -> None:
+    """Re-derive soundness of a few set mask bits with validate_tokens (no state change).
+
+    Only one direction holds: llguidance bans some grammatical but non-canonical tokens
+    (e.g. `{` where `{"` is forced), so a banned token may still validate.
+    """
+    ok_ids = np.flatnonzero(allowed)
+    if ok_ids.size == 0:
+        raise OracleError("mask allows no token at all")
+    top = [int(t) for t in np.argsort(-np.where(allowed, logits, -np.inf))[:2]]
+    picks = top + [int(t) for t in rng.choice(ok_ids, size=min(SPOT_CHECKS - 2, ok_ids.size),
+                                              replace=False)]
+    for t in picks:
+        if t in eos:  # validate_tokens does not judge EOS; the grammar must be complete
+            if allowed[t] and not matcher.is_accepting():
+                raise OracleError(f"mask allows EOS {t} before the grammar can end")
+            continue
+        if allowed[t] and matcher.validate_tokens([t]) != 1:
+            raise OracleError(f"mask allows token {t} but validate_tokens rejects it")

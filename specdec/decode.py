@@ -1,0 +1,136 @@
+"""The plain constrained decode loop: a pure step generator over token ids.
+
+One target forward per token. Each step: the request's llguidance bitmask is filled on the
+host while the device computes the forward pass (async eval), then applied on the device,
+then the sampler picks, then the matcher consumes. The generator knows nothing of text,
+stop strings or HTTP; `engine.py` wraps it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import llguidance.numpy as llnp
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from llguidance import LLMatcher
+from mlx_lm.models.cache import make_prompt_cache
+
+from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
+
+FinishReason = Literal["stop", "length"]
+TokenId = int
+PREFILL_CHUNK = 512
+
+
+class GrammarStateError(RuntimeError):
+    """The request's matcher entered an error state; decoding stops (fail closed)."""
+
+
+@dataclass
+class StepTimings:
+    """Accumulated host-side timings of one decode (seconds). Mutable accumulator.
+
+    Attributes:
+        prefill_s: prompt forward, until its logits were ready.
+        mask_s: llguidance mask fill on the host (overlaps the device forward).
+        wait_s: host blocked waiting for the device to produce the sampled token.
+        steps: decode steps run.
+    """
+
+    prefill_s: float = 0.0
+    mask_s: float = 0.0
+    wait_s: float = 0.0
+    steps: int = 0
+
+
+def prefill(model: nn.Module, prompt: Sequence[TokenId], cache: list, chunk: int = PREFILL_CHUNK
+            ) -> mx.array:
+    """Run the prompt through the model in chunks; returns the last position's logits (V,)."""
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    ids = mx.array(list(prompt), dtype=mx.int32)[None]  # (1, T)
+    for start in range(0, ids.shape[1] - chunk, chunk):
+        model(ids[:, start:start + chunk], cache=cache)
+        mx.eval([c.state for c in cache])
+    last = ((ids.shape[1] - 1) // chunk) * chunk
+    return model(ids[:, last:], cache=cache)[0, -1]  # (V,)
+
+
+def check_matcher(matcher: LLMatcher) -> None:
+    """Raise GrammarStateError when the matcher has entered its error state."""
+    if matcher.is_error():
+        raise GrammarStateError(f"grammar entered an error state: {matcher.get_error()}")
+
+
+def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int,
+                 eos_token_ids: Sequence[TokenId], max_tokens: int,
+                 matcher: LLMatcher | None = None, params: SamplingParams = SamplingParams(),
+                 timings: StepTimings | None = None
+                 ) -> Generator[TokenId, None, FinishReason]:
+    """Yield generated token ids (EOS never yielded); return the finish reason.
+
+    Args:
+        model: mlx-lm model, `model(tokens (1, T), cache) -> (1, T, V)`.
+        prompt: prompt token ids (non-empty).
+        vocab_size: logits width V.
+        eos_token_ids: ids that end the output.
+        max_tokens: most tokens to generate (>= 1).
+        matcher: the request's llguidance matcher (advanced in place), or None.
+        params: sampling parameters; a seed is required when sampling.
+        timings: accumulator for host timings.
+    Returns:
+        "stop" on EOS or when the grammar is complete, "length" when max_tokens ran out.
+    Raises:
+        GrammarStateError: the matcher errored; no token is emitted past that point.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+    if not params.greedy and params.seed is None:
+        raise ValueError("sampling (temperature > 0) needs a seed")
+    timings = timings if timings is not None else StepTimings()
+    eos = set(eos_token_ids)
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    logits = prefill(model, prompt, cache)
+    mx.eval(logits)
+    timings.prefill_s += time.perf_counter() - t0
+    bitmask = None
+    if matcher is not None:
+        check_matcher(matcher)
+        # The matcher's tokenizer is built for the logits width (GrammarCompiler.for_model).
+        bitmask = llnp.allocate_token_bitmask(1, vocab_size)
+    for i in range(max_tokens):
+        x = logits
+        if matcher is not None and bitmask is not None:
+            t0 = time.perf_counter()
+            llnp.fill_next_token_bitmask(matcher, bitmask, 0)
+            timings.mask_s += time.perf_counter() - t0
+            check_matcher(matcher)
+            x = apply_mask(logits, unpack_bitmask(mx.array(bitmask[0]), vocab_size))
+        noise = None if params.greedy else mx.array(position_noise(params.seed or 0, i, vocab_size))
+        tok = pick(x, params, noise)
+        if i + 1 < max_tokens:
+            # Queue the next forward before waiting, so the host's next mask fill overlaps it.
+            next_logits = model(tok.reshape(1, 1), cache=cache)[0, -1]
+            mx.async_eval(next_logits)
+        t0 = time.perf_counter()
+        t = int(tok.item())
+        timings.wait_s += time.perf_counter() - t0
+        timings.steps += 1
+        if matcher is not None:
+            matcher.consume_token(t)
+            check_matcher(matcher)
+        if t in eos:
+            return "stop"
+        yield t
+        if matcher is not None and matcher.is_stopped():
+            return "stop"  # only EOS could follow
+        if i + 1 < max_tokens:
+            logits = next_logits
+    return "length"
+

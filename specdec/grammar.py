@@ -1,0 +1,221 @@
+"""Request constraints → llguidance grammars, compiled once and handed out as matchers.
+
+Two lifetimes, two types (as in vLLM's structured output): a `GrammarCompiler` per tokenizer
+(owns the `LLTokenizer`, caches compiled grammars), and one `LLMatcher` per request (a
+`deep_copy` of the cached template, ~2 µs).
+
+Error contract: every invalid or unsupported constraint raises `GrammarError` with
+llguidance's own message; nothing here returns a half-valid grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import llguidance
+import llguidance.hf
+from llguidance import LLMatcher, LLTokenizer
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
+
+# Compact JSON: no free whitespace, so a model cannot spin on spaces or newlines until
+# max_tokens; ", " and ": " are the separators small models are trained on. A schema may
+# override these through llguidance's own `x-guidance` key.
+JSON_DEFAULTS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; the message names the offending value.
+
+    Attributes:
+        kind: the constraint kind (`json_schema`, `regex`, ...).
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"invalid {kind} constraint: {message}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match.
+
+    Attributes:
+        kind: `json_schema` (value: dict or JSON text), `json_object` (value: None),
+            `regex` (value: pattern), `grammar` (value: Lark or GBNF text), `choice`
+            (value: list of strings).
+        value: the constraint itself.
+        lenient: JSON only: ignore keywords llguidance does not implement (reported as
+            warnings) instead of refusing the schema.
+    """
+
+    kind: ConstraintKind
+    value: Any = None
+    lenient: bool = False
+    json_options: tuple[tuple[str, Any], ...] = field(default=())
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any] | str, lenient: bool = False) -> "Constraint":
+        return Constraint("json_schema", schema, lenient)
+
+    @staticmethod
+    def json_object() -> "Constraint":
+        return Constraint("json_object")
+
+    @staticmethod
+    def regex(pattern: str) -> "Constraint":
+        return Constraint("regex", pattern)
+
+    @staticmethod
+    def grammar(text: str) -> "Constraint":
+        return Constraint("grammar", text)
+
+    @staticmethod
+    def choice(options: list[str]) -> "Constraint":
+        return Constraint("choice", list(options))
+
+
+def _schema_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise GrammarError("json_schema", f"schema is not valid JSON: {e}") from e
+    if isinstance(value, bool):
+        # JSON Schema allows `true`/`false` schemas; only `true` can produce output.
+        if value:
+            return {}
+        raise GrammarError("json_schema", "schema `false` matches nothing")
+    if not isinstance(value, dict):
+        raise GrammarError("json_schema",
+                           f"schema must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def to_grammar(c: Constraint) -> str:
+    """The llguidance grammar text for a constraint (not yet checked against a tokenizer).
+
+    Raises:
+        GrammarError: malformed input that can be detected without compiling.
+    """
+    if c.kind not in CONSTRAINT_KINDS:
+        raise GrammarError(str(c.kind), f"unknown constraint kind; expected one of "
+                                        f"{', '.join(CONSTRAINT_KINDS)}")
+    if c.kind in ("json_schema", "json_object"):
+        if c.kind == "json_object":
+            if c.value not in (None, True, {}, {"type": "object"}):
+                raise GrammarError("json_object", "json_object takes no schema "
+                                   f"(got {c.value!r}); use json_schema for a schema")
+            schema: dict[str, Any] = {"type": "object"}
+        else:
+            schema = _schema_dict(c.value)
+        opts = dict(JSON_DEFAULTS, **dict(c.json_options))
+        if c.lenient:
+            opts["lenient"] = True
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=opts)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as e:
+            raise GrammarError(c.kind, str(e)) from e
+    if c.kind == "regex":
+        if not isinstance(c.value, str) or not c.value:
+            raise GrammarError("regex", f"pattern must be a non-empty string, got {c.value!r}")
+        return LLMatcher.grammar_from_regex(c.value)
+    if c.kind == "grammar":
+        if not isinstance(c.value, str) or not c.value.strip():
+            raise GrammarError("grammar", "grammar must be non-empty Lark or GBNF text")
+        try:
+            return llguidance.grammar_from("grammar", c.value)
+        except ValueError as e:
+            raise GrammarError("grammar", str(e)) from e
+    options = c.value
+    if not isinstance(options, (list, tuple)) or not options:
+        raise GrammarError("choice", "choice needs a non-empty list of strings")
+    bad = [o for o in options if not isinstance(o, str) or not o]
+    if bad:
+        raise GrammarError("choice", f"every choice must be a non-empty string, got {bad[0]!r}")
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A validated grammar for one tokenizer; `matcher()` gives each request its own state.
+
+    Attributes:
+        text: the llguidance grammar text.
+        warnings: what the compiler did not enforce (lenient JSON schemas).
+    """
+
+    text: str
+    warnings: tuple[str, ...]
+    _template: LLMatcher = field(repr=False, compare=False)
+
+    def matcher(self) -> LLMatcher:
+        """A fresh matcher at the start of the grammar."""
+        return self._template.deep_copy()
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, caching by canonical grammar text (LRU).
+
+    Thread-safe: the cache is guarded; compilation itself runs outside the lock.
+    """
+
+    def __init__(self, tokenizer: LLTokenizer, cache_size: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
+                         ) -> "GrammarCompiler":
+        """Build the (expensive, ~0.5 s) LLTokenizer from a Hugging Face fast tokenizer.
+
+        Args:
+            hf_tokenizer: `PreTrainedTokenizerFast`.
+            n_vocab: width of the model's logits (may exceed the tokenizer's vocabulary;
+                the extra ids are never allowed).
+            eos_token_ids: every id that ends the output; all are allowed where the grammar
+                may end.
+        """
+        llt = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
+                                           eos_token=list(eos_token_ids))
+        return GrammarCompiler(llt)
+
+    def compile(self, c: Constraint) -> CompiledGrammar:
+        """Compile (or fetch from cache) a constraint.
+
+        Raises:
+            GrammarError: invalid or unsupported constraint, with llguidance's message.
+        """
+        text = to_grammar(c)
+        with self._lock:
+            hit = self._cache.get(text)
+            if hit is not None:
+                self._cache.move_to_end(text)
+                self.hits += 1
+                return hit
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        if is_error:
+            raise GrammarError(c.kind, "; ".join(messages) or "rejected by the compiler")
+        template = LLMatcher(self.tokenizer, text, log_level=0)
+        if template.is_error():
+            raise GrammarError(c.kind, template.get_error())
+        compiled = CompiledGrammar(text, tuple(messages), template)
+        with self._lock:
+            self.misses += 1
+            self._cache[text] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled

@@ -1,0 +1,143 @@
+"""Masking and sampling as pure array functions (MLX), plus the coupled randomness.
+
+Coupled randomness: the noise for output position `i` is `position_noise(seed, i, V)`, a
+float32 Gumbel vector that depends on nothing else. A seeded pick is
+
+    argmax(filter(logits / temperature) + position_noise(seed, i, V))
+
+(the Gumbel-max trick), so any decoder that computes the same logits at position `i` picks
+the same token — plain and speculative decoding give identical output for one seed. The noise
+is defined by numpy code (below) and moved to the device as data, so every backend sees the
+same bits. `oracle/` re-implements the same definition independently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+class SamplingError(ValueError):
+    """A sampling parameter outside its valid range; the message names value and range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token.
+
+    Attributes:
+        temperature: 0 means greedy (masked argmax); > 0 samples.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k highest logits; 0 disables it.
+        seed: randomness seed (non-negative int). Required when sampling; the generate
+            wrappers draw one and report it when the caller gives none.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
+        if self.seed is not None and not (0 <= self.seed <= _MASK64):
+            raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _splitmix64_scalar(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
+    """The Gumbel noise of output position `position`: float32 array (vocab,).
+
+    Definition (all uint32 arithmetic wraps; float ops are float32, numpy's `log`):
+        base = splitmix64(splitmix64(seed) ^ position) mod 2**32
+        x_v = (v * 0x9E3779B9) ^ base, then x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
+              x *= 0x846CA68B; x ^= x >> 16
+        u_v = ((x_v >> 8) + 0.5) * 2**-24          (exact in float32, in (0, 1))
+        g_v = -log(-log(u_v))
+    ~0.4 ms for 49k tokens, computed on the host while the device runs the forward pass.
+    """
+    base = _splitmix64_scalar(_splitmix64_scalar(seed) ^ position) & 0xFFFFFFFF
+    x = np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    x ^= np.uint32(base)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    u = ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    return -np.log(-np.log(u))
+
+
+def unpack_bitmask(bitmask: mx.array, vocab: int) -> mx.array:
+    """llguidance's packed mask (W,) int32 → allowed (vocab,) bool; ids past 32*W are banned."""
+    shifts = mx.arange(32, dtype=mx.int32)
+    bits = mx.right_shift(bitmask[:, None], shifts[None, :]) & 1  # (W, 32)
+    allowed = bits.reshape(-1) != 0  # (32 W,)
+    width = allowed.shape[0]
+    if width >= vocab:
+        return allowed[:vocab]
+    return mx.concatenate([allowed, mx.zeros((vocab - width,), dtype=mx.bool_)])
+
+
+def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:
+    """Banned logits → -inf. logits (..., V), allowed (V,) bool."""
+    return mx.where(allowed, logits, mx.array(-np.inf, dtype=logits.dtype))
+
+
+def filter_top_k(x: mx.array, k: int) -> mx.array:
+    """Keep logits >= the k-th largest (ties at the boundary all kept). x (V,)."""
+    if k <= 0 or k >= x.shape[-1]:
+        return x
+    kth = mx.min(mx.topk(x, k))
+    return mx.where(x >= kth, x, mx.array(-np.inf, dtype=x.dtype))
+
+
+def filter_top_p(x: mx.array, p: float) -> mx.array:
+    """Keep the smallest set of highest logits whose probability mass reaches p. x (V,).
+
+    Probabilities are float32 softmax; only a token whose cumulative mass lands within
+    rounding of `p` can depend on the backend's exp.
+    """
+    if p >= 1.0:
+        return x
+    sorted_x = -mx.sort(-x)  # (V,) descending
+    probs = mx.softmax(sorted_x)
+    before = mx.cumsum(probs) - probs  # mass strictly above each entry
+    keep = mx.maximum(mx.sum(before < p), 1)
+    threshold = sorted_x[keep - 1]
+    return mx.where(x >= threshold, x, mx.array(-np.inf, dtype=x.dtype))
+
+
+def pick(logits: mx.array, params: SamplingParams, noise: mx.array | None) -> mx.array:
+    """Choose a token from (already masked) logits (V,) float32 → () uint32.
+
+    Greedy: argmax (first index on ties). Sampling: Gumbel-max over the temperature-scaled,
+    top-k/top-p filtered logits with the position's `noise` (V,).
+    """
+    if params.greedy:
+        return mx.argmax(logits, axis=-1)
+    assert noise is not None, "sampling needs the position's noise"
+    x = logits / mx.array(params.temperature, dtype=mx.float32)
+    x = filter_top_k(x, params.top_k)
+    x = filter_top_p(x, params.top_p)
+    return mx.argmax(x + noise, axis=-1)
