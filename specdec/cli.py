@@ -1,0 +1,172 @@
+"""`specdec` command line: generate, info, serve.
+
+The launcher picks the BLAS before MLX is imported (see `specdec.blas`), so every import of
+MLX-using modules here is deferred into the subcommands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct) or a local mlx-lm directory")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text, optionally constrained")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (rendered with the chat template)")
+    src.add_argument("--messages", help="chat messages: a JSON list or a file holding one")
+    src.add_argument("--raw-prompt", help="prompt text used as is (no chat template)")
+    g.add_argument("--system", help="system message to put before --prompt")
+    con = g.add_mutually_exclusive_group()
+    con.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
+    con.add_argument("--json-object", action="store_true", help="any JSON object")
+    con.add_argument("--regex", help="regular expression the output must match")
+    con.add_argument("--grammar", metavar="FILE", help="Lark or GBNF grammar file")
+    con.add_argument("--choice", nargs="+", metavar="OPTION", help="output is one of these")
+    g.add_argument("--lenient", action="store_true",
+                   help="JSON schema: skip unimplemented keywords instead of refusing")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stats", action="store_true", help="print a JSON stats line to stderr")
+
+    sub.add_parser("info", help="backend, BLAS, model and cache paths")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--chat-template", metavar="FILE", default=None)
+    return ap
+
+
+def _constraint(args: argparse.Namespace) -> Any:
+    from .grammar import Constraint
+
+    if args.json_schema:
+        return Constraint.json_schema(Path(args.json_schema).read_text(), lenient=args.lenient)
+    if args.json_object:
+        return Constraint.json_object()
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.grammar:
+        return Constraint.grammar(Path(args.grammar).read_text())
+    if args.choice:
+        return Constraint.choice(args.choice)
+    return None
+
+
+def _messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    if args.messages:
+        text = args.messages
+        if not text.lstrip().startswith("["):
+            text = Path(text).read_text()
+        msgs = json.loads(text)
+        if not isinstance(msgs, list):
+            raise ValueError("--messages must be a JSON list of {role, content}")
+        return msgs
+    if args.prompt is not None:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        return msgs + [{"role": "user", "content": args.prompt}]
+    return None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from . import load
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    constraint = _constraint(args)
+    engine = Engine(load(args.model))
+    msgs = _messages(args)
+    if msgs is not None:
+        ids = engine.chat_prompt(msgs, constrained=constraint is not None)
+    else:
+        ids = engine.encode(args.raw_prompt)
+    req = engine.prepare(ids, constraint=constraint,
+                         sampling=SamplingParams(args.temperature, args.top_p, args.top_k,
+                                                 args.seed),
+                         max_tokens=args.max_tokens, stop=args.stop)
+    result = engine.generate(req)
+    print(result.text)
+    if args.stats:
+        line = {"finish_reason": result.finish_reason, **result.stats.as_dict()}
+        if result.warnings:
+            line["warnings"] = list(result.warnings)
+        print(json.dumps(line), file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from . import blas, models
+
+    try:
+        gguf: str = str(models.embedded_gguf())
+    except models.ModelNotFoundError as e:
+        gguf = f"missing ({e})"
+    info = {
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "gpu_backend": models.gpu_backend(),
+        "blas_active": blas.active(),
+        "blas_requested": blas.requested(),
+        "openblas_path": blas.openblas_path(),
+        "default_model": "SmolLM2-135M-Instruct (embedded)",
+        "default_weight_format": models.default_weight_format(),
+        "embedded_gguf": gguf,
+        "cache_dir": str(models.cache_dir()),
+    }
+    for k, v in info.items():
+        print(f"{k:24} {v}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.app import serve
+
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+          chat_template=template)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .blas import BlasError, ensure_blas
+
+    args = build_parser().parse_args(argv)
+    try:
+        ensure_blas()
+    except BlasError as e:
+        print(f"specdec: {e}", file=sys.stderr)
+        return 2
+    from .grammar import GrammarError
+    from .models import ModelNotFoundError
+
+    handlers = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}
+    try:
+        return handlers[args.cmd](args)
+    except (GrammarError, ModelNotFoundError, ValueError, OSError) as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
