@@ -1,0 +1,48 @@
+"""Shared fixtures. The suite runs on MLX's reference BLAS: the batch-invariant configuration
+the exactness gate is defined on (see specdec.blas)."""
+
+from __future__ import annotations
+
+import os
+
+from specdec.blas import ensure_blas
+
+# Re-exec pytest without an OpenBLAS preload before MLX is loaded.
+ensure_blas("reference")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The embedded SmolLM2-135M-Instruct, converted on first use, loaded once."""
+    import specdec
+
+    return specdec.load()
+
+
+@pytest.fixture(scope="session")
+def engine(embedded):
+    from specdec.engine import Engine
+
+    return Engine(embedded)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(embedded):
+    return embedded.tokenizer
+
+
+def load_json(name: str):
+    return json.loads((DATA / name).read_text())
+
+
+def pytest_report_header(config):
+    from specdec import blas
+
+    return [f"specdec: BLAS {blas.active()} (SPECDEC_BLAS={os.environ.get('SPECDEC_BLAS', 'auto')})"]

@@ -1,0 +1,129 @@
+"""Constraint → llguidance grammar, on the byte-level tokenizer: table-driven pass/fail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLTokenizer
+
+from specdec.grammar import Constraint, GrammarCompiler, GrammarError
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(LLTokenizer("byte"), cache_size=4)
+
+
+def accepts(compiler: GrammarCompiler, c: Constraint, text: str) -> bool:
+    """True when the full text is a complete sentence of the grammar."""
+    m = compiler.compile(c).matcher()
+    toks = list(text.encode())
+    return m.try_consume_tokens(toks) == len(toks) and m.is_accepting()
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+PYDANTIC_REF = {  # shape of Pydantic's model_json_schema() output
+    "$defs": {"Item": {"properties": {"sku": {"title": "Sku", "type": "string"},
+                                      "qty": {"maximum": 9, "minimum": 1, "title": "Qty",
+                                              "type": "integer"}},
+                       "required": ["sku", "qty"], "title": "Item", "type": "object"}},
+    "properties": {"items": {"items": {"$ref": "#/$defs/Item"}, "maxItems": 2, "minItems": 1,
+                             "title": "Items", "type": "array"},
+                   "kind": {"enum": ["a", "b"], "title": "Kind", "type": "string"},
+                   "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+                   "mode": {"const": "fast", "type": "string"}},
+    "required": ["items", "kind", "mode"], "title": "Order", "type": "object",
+}
+
+CASES = [
+    # (constraint, text, expected)
+    (Constraint.json_schema(PERSON), '{"name": "Ann", "age": 3}', True),
+    (Constraint.json_schema(json.dumps(PERSON)), '{"name": "Ann", "age": 3}', True),
+    (Constraint.json_schema(PERSON), '{"name": "Ann", "age": -3}', False),
+    (Constraint.json_schema(PERSON), '{"name": "Ann"}', False),
+    (Constraint.json_schema(PERSON), '{"name": "Ann", "age": 3, "x": 1}', False),
+    (Constraint.json_schema(PYDANTIC_REF),
+     '{"items": [{"sku": "x", "qty": 2}], "kind": "b", "mode": "fast"}', True),
+    (Constraint.json_schema(PYDANTIC_REF),
+     '{"items": [{"sku": "x", "qty": 2}], "kind": "b", "note": null, "mode": "fast"}', True),
+    (Constraint.json_schema(PYDANTIC_REF),
+     '{"items": [], "kind": "b", "mode": "fast"}', False),  # minItems
+    (Constraint.json_schema(PYDANTIC_REF),
+     '{"items": [{"sku": "x", "qty": 10}], "kind": "b", "mode": "fast"}', False),  # maximum
+    (Constraint.json_schema(PYDANTIC_REF),
+     '{"items": [{"sku": "x", "qty": 1}], "kind": "c", "mode": "fast"}', False),  # enum
+    (Constraint.json_object(), '{"a": [1, {"b": null}]}', True),
+    (Constraint.json_object(), '[1, 2]', False),
+    (Constraint.regex(r"\d{3}-[a-z]+"), "123-abc", True),
+    (Constraint.regex(r"\d{3}-[a-z]+"), "12-abc", False),
+    (Constraint.grammar('start: "yes" | "no"'), "no", True),
+    (Constraint.grammar('root ::= "yes" | "no"'), "yes", True),  # GBNF
+    (Constraint.grammar('root ::= "yes" | "no"'), "maybe", False),
+    (Constraint.choice(["red", "gr\u00fcn", 'say "hi"']), "gr\u00fcn", True),
+    (Constraint.choice(["red", "gr\u00fcn", 'say "hi"']), 'say "hi"', True),
+    (Constraint.choice(["red", "green"]), "blue", False),
+]
+
+
+@pytest.mark.parametrize("constraint,text,expected", CASES)
+def test_constraint_accepts_exactly_its_language(compiler, constraint, text, expected):
+    assert accepts(compiler, constraint, text) is expected
+
+
+def test_json_whitespace_is_bounded_by_default(compiler):
+    # Free whitespace would let a model spin on spaces until max_tokens.
+    c = Constraint.json_schema(PERSON)
+    assert not accepts(compiler, c, '{ "name": "Ann", "age": 3}')
+    assert not accepts(compiler, c, '{"name": "Ann",\n"age": 3}')
+
+
+@pytest.mark.parametrize("constraint,needle", [
+    (Constraint.json_schema('{"type": "object"'), "not valid JSON"),
+    (Constraint.json_schema("[1, 2]"), "must be a JSON object"),
+    (Constraint.json_schema({"type": "objec"}), "objec"),
+    (Constraint.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (Constraint.json_schema({"type": "string", "format": "weird"}), "weird"),
+    (Constraint.json_schema(False), "matches nothing"),
+    (Constraint("json_object", {"type": "array"}), "json_object takes no schema"),
+    (Constraint.regex("a(b"), "unclosed group"),
+    (Constraint.regex(""), "non-empty"),
+    (Constraint.grammar('start: "yes" | x'), "unknown name"),
+    (Constraint.grammar("   "), "non-empty"),
+    (Constraint.choice([]), "non-empty list"),
+    (Constraint.choice(["a", ""]), "non-empty string"),
+    (Constraint.choice(["a", 3]), "non-empty string"),  # type: ignore[list-item]
+    (Constraint("xml", "<a/>"), "unknown constraint kind"),  # type: ignore[arg-type]
+])
+def test_bad_constraint_raises_grammar_error_naming_the_problem(compiler, constraint, needle):
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(constraint)
+    assert needle in str(info.value)
+
+
+def test_lenient_schema_compiles_and_reports_what_it_skipped(compiler):
+    c = Constraint.json_schema({"type": "array", "uniqueItems": True}, lenient=True)
+    g = compiler.compile(c)
+    assert any("uniqueItems" in w for w in g.warnings)
+
+
+def test_compile_cache_is_keyed_by_grammar_text_and_bounded(compiler):
+    compiler._cache.clear()
+    h0, m0 = compiler.hits, compiler.misses
+    a = compiler.compile(Constraint.json_schema(PERSON))
+    b = compiler.compile(Constraint.json_schema(json.dumps(PERSON)))  # same canonical text
+    assert a is b and compiler.hits == h0 + 1 and compiler.misses == m0 + 1
+    for i in range(6):
+        compiler.compile(Constraint.regex(f"x{i}"))
+    assert len(compiler._cache) == 4
+
+
+def test_matchers_from_one_grammar_are_independent(compiler):
+    g = compiler.compile(Constraint.choice(["ab", "cd"]))
+    m1, m2 = g.matcher(), g.matcher()
+    assert m1.consume_token(ord("a"))
+    assert m2.validate_tokens([ord("c")]) == 1
+    assert m1.validate_tokens([ord("c")]) == 0
