@@ -28,8 +28,8 @@ def gumbel(seed: int, position: int, n: int) -> np.ndarray:
     h = h ^ (h >> np.uint64(15))
     h = (h * np.uint64(0x846CA68B)) & np.uint64(0xFFFFFFFF)
     h = h ^ (h >> np.uint64(16))
-    mant = (h >> np.uint64(8)).astype(np.float32)
-    u = (mant + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    mant = (h >> np.uint64(9)).astype(np.float32)
+    u = (mant + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
     return -np.log(-np.log(u))
 
 

@@ -72,7 +72,7 @@ def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
         base = splitmix64(splitmix64(seed) ^ position) mod 2**32
         x_v = (v * 0x9E3779B9) ^ base, then x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
               x *= 0x846CA68B; x ^= x >> 16
-        u_v = ((x_v >> 8) + 0.5) * 2**-24          (exact in float32, in (0, 1))
+        u_v = ((x_v >> 9) + 0.5) * 2**-23          (exact in float32; max 1 - 2**-24 < 1)
         g_v = -log(-log(u_v))
     ~0.4 ms for 49k tokens, computed on the host while the device runs the forward pass.
     """
@@ -84,7 +84,8 @@ def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     x ^= x >> np.uint32(15)
     x *= np.uint32(0x846CA68B)
     x ^= x >> np.uint32(16)
-    u = ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    # 23 bits: with 24, (2**24 - 0.5) rounds up to 2**24 in float32, u hits 1 and g = inf.
+    u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
     return -np.log(-np.log(u))
 
 

@@ -139,3 +139,13 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_out_of_range_sampling_params_raise_naming_the_value(kwargs, needle):
     with pytest.raises(SamplingError, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_noise_is_finite_for_every_hash_value_including_the_extremes():
+    # u must stay strictly inside (0, 1): at u == 1 the noise is +inf and -inf + inf = nan
+    # would let a banned token win.
+    g = np.concatenate([position_noise(s, p, 49152) for s in range(4) for p in range(50)])
+    assert np.isfinite(g).all()
+    x = np.array([0, 0xFFFFFFFF], dtype=np.uint32)
+    u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    assert 0 < u[0] and u[1] < 1
