@@ -46,3 +46,12 @@ def pytest_report_header(config):
     from specdec import blas
 
     return [f"specdec: BLAS {blas.active()} (SPECDEC_BLAS={os.environ.get('SPECDEC_BLAS', 'auto')})"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests import tally
+
+    if tally.CELLS:
+        terminalreporter.section("exactness (fast path vs oracle)")
+        for name, (same, total) in sorted(tally.CELLS.items()):
+            terminalreporter.write_line(f"{name}: {same}/{total} identical")

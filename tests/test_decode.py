@@ -18,6 +18,7 @@ from oracle.sampler import unpack_mask
 from specdec.decode import GrammarStateError, StepTimings, decode_steps
 from specdec.grammar import Constraint, GrammarCompiler
 from specdec.sampling import SamplingParams, unpack_bitmask
+from tests import tally
 
 TOKENIZER_VOCAB = 49152
 WIDTH = TOKENIZER_VOCAB + 13  # logits wider than the tokenizer, not a multiple of 32
@@ -106,6 +107,8 @@ def test_random_model_output_obeys_grammar_and_equals_oracle(tiny, compiler, hf_
     oracle = reference_decode(tiny, prompt, vocab_size=WIDTH, eos_token_ids=EOS, max_tokens=40,
                               matcher=grammar.matcher(), temperature=params.temperature,
                               top_k=params.top_k, top_p=params.top_p, seed=params.seed or 0)
+    tally.record("tiny model plain vs oracle",
+                 identical=report(oracle, tokens) is None and finish == oracle.finish_reason)
     assert report(oracle, tokens) is None
     assert finish == oracle.finish_reason
     assert all(t < TOKENIZER_VOCAB for t in tokens)

@@ -1,0 +1,1 @@
+"""Benchmarks (pytest-benchmark) and the fixed workloads they run."""

@@ -1,0 +1,90 @@
+"""Fixed workloads: prompts and constraints shipped with the repo, shared by the benchmarks
+and the integration/exactness tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SYSTEM = "You are a precise assistant. Reply with the requested data only."
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload item.
+
+    Attributes:
+        name: short id.
+        user: the user message.
+        kind: constraint kind (`json_schema`, `regex`, `choice`, `json_object`, `grammar`).
+        value: the constraint value.
+    """
+
+    name: str
+    user: str
+    kind: str
+    value: Any = None
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.user}]
+
+
+FLAT = {"type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 30},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "email": {"type": "string", "maxLength": 40}},
+        "required": ["name", "age", "email"], "additionalProperties": False}
+
+NESTED = {"type": "object",
+          "properties": {"company": {"type": "string", "maxLength": 30},
+                         "address": {"type": "object",
+                                     "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "zip": {"type": "string",
+                                                            "pattern": "^[0-9]{5}$"}},
+                                     "required": ["city", "zip"],
+                                     "additionalProperties": False}},
+          "required": ["company", "address"], "additionalProperties": False}
+
+ARRAY = {"type": "object",
+         "properties": {"tags": {"type": "array", "minItems": 2, "maxItems": 4,
+                                 "items": {"type": "string", "maxLength": 12}}},
+         "required": ["tags"], "additionalProperties": False}
+
+ENUMS = {"type": "object",
+         "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                        "confidence": {"enum": ["low", "medium", "high"]},
+                        "language": {"type": "string", "enum": ["en", "fr", "de"]}},
+         "required": ["sentiment", "confidence", "language"], "additionalProperties": False}
+
+REFS = {"$defs": {"Item": {"type": "object",
+                           "properties": {"product": {"type": "string", "maxLength": 20},
+                                          "quantity": {"type": "integer", "minimum": 1,
+                                                       "maximum": 99}},
+                           "required": ["product", "quantity"],
+                           "additionalProperties": False}},
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"},
+                                 "minItems": 1, "maxItems": 3}},
+        "required": ["items"], "additionalProperties": False}
+
+ANYOF = {"type": "object",
+         "properties": {"answer": {"anyOf": [{"type": "integer"}, {"type": "string",
+                                                                  "maxLength": 20},
+                                             {"type": "null"}]},
+                        "unit": {"anyOf": [{"type": "string", "maxLength": 10},
+                                           {"type": "null"}]}},
+         "required": ["answer", "unit"], "additionalProperties": False}
+
+CASES: tuple[Case, ...] = (
+    Case("flat", "Invent a person with name, age and email as JSON.", "json_schema", FLAT),
+    Case("nested", "Give a company with its address (city, 5-digit zip) as JSON.",
+         "json_schema", NESTED),
+    Case("array", "List a few tags for a blog post about cooking pasta.", "json_schema", ARRAY),
+    Case("enums", "Classify: 'I love this phone, it is great!'", "json_schema", ENUMS),
+    Case("refs", "Order: two apples and one bread. Give the items as JSON.", "json_schema",
+         REFS),
+    Case("anyof", "How many legs does a spider have? Answer as JSON.", "json_schema", ANYOF),
+    Case("regex", "Give today's date as YYYY-MM-DD.", "regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"),
+    Case("choice", "Is the sky blue on a clear day? Answer yes or no.", "choice", ["yes", "no"]),
+    Case("json_object", "Describe a cat as a JSON object with two fields.", "json_object"),
+)
