@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
+from bench import results
 from specdec.blas import ensure_blas
 
-ensure_blas()  # re-exec with OpenBLAS preloaded, before MLX loads
 
-import pytest  # noqa: E402
-
-from bench import results  # noqa: E402
+def pytest_configure(config):
+    # Re-exec with OpenBLAS preloaded when installed, with pytest's fd capture suspended so
+    # the new process writes to the real terminal.
+    capman = config.pluginmanager.getplugin("capturemanager")
+    ensure_blas(before_exec=capman and capman.suspend_global_capture)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Literal
 
 BlasChoice = Literal["auto", "openblas", "reference"]
@@ -88,12 +89,17 @@ def _preload_env(choice: BlasChoice) -> dict[str, str] | None:
     return env
 
 
-def ensure_blas(choice: BlasChoice | None = None) -> None:
+def ensure_blas(choice: BlasChoice | None = None,
+                before_exec: Callable[[], object] | None = None) -> None:
     """Re-exec the current command line under the requested BLAS, if it differs.
 
     Call this first thing in a launcher, before MLX is imported. Returns normally when the
     process already runs with the right BLAS (or the platform has only one); otherwise it
     does not return. A second re-exec is never attempted.
+
+    Args:
+        choice: the BLAS wanted (default: `SPECDEC_BLAS`, else auto).
+        before_exec: called just before exec (e.g. to give pytest's captured fds back).
     """
     choice = choice or requested()
     if os.environ.get(_REEXEC_MARK):
@@ -103,6 +109,8 @@ def ensure_blas(choice: BlasChoice | None = None) -> None:
         return
     env[_REEXEC_MARK] = "1"
     argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    if before_exec is not None:
+        before_exec()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv[1:]], env)

@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from specdec.blas import ensure_blas
-
-# Re-exec pytest without an OpenBLAS preload before MLX is loaded.
-ensure_blas("reference")
-
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-DATA = Path(__file__).parent / "data"
-
 
 @pytest.fixture(scope="session")
 def embedded():
@@ -38,8 +29,11 @@ def hf_tokenizer(embedded):
     return embedded.tokenizer
 
 
-def load_json(name: str):
-    return json.loads((DATA / name).read_text())
+def pytest_configure(config):
+    # Re-exec pytest without an OpenBLAS preload (the batch-invariant configuration), with
+    # pytest's fd capture suspended so the new process writes to the real terminal.
+    capman = config.pluginmanager.getplugin("capturemanager")
+    ensure_blas("reference", before_exec=capman and capman.suspend_global_capture)
 
 
 def pytest_report_header(config):
