@@ -148,8 +148,11 @@ async def _complete(job: Job, rid: str, model: str, http: Request) -> JSONRespon
                      "message": {"role": "assistant", "content": text}}],
         "usage": usage,
         "specdec": {"seed": job.request.sampling.seed, "steps": timings.steps,
-                    "mask_s": timings.mask_s, "prefill_s": timings.prefill_s,
-                    "seconds": seconds},
+                    "k": job.request.spec.k if job.request.spec else 0,
+                    "rounds": timings.rounds, "proposed": timings.proposed,
+                    "accepted": timings.accepted, "forced": timings.forced,
+                    "grammar_cuts": timings.grammar_cuts, "mask_s": timings.mask_s,
+                    "prefill_s": timings.prefill_s, "seconds": seconds},
     })
 
 
@@ -192,16 +195,17 @@ async def _sse(job: Job, req: ChatRequest, rid: str, model: str, http: Request
         job.cancelled.set()
 
 
-def serve(model: str = "default", host: str = "127.0.0.1", port: int = 8000,
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: str | None = None) -> None:
-    """Load the model and serve until interrupted."""
+    """Serve an engine until interrupted."""
     import uvicorn
 
-    from specdec import blas, load
+    from specdec import blas
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    engine = Engine(load(model))
     app = create_app(engine, api_key=api_key, chat_template=chat_template)
-    log.info("serving %s at http://%s:%d/v1 (draft: none, BLAS: %s)", engine.target.name,
-             host, port, blas.active())
+    draft = "none" if engine.draft is None else (
+        "self" if engine.draft is engine.target else engine.draft.name)
+    log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, BLAS: %s)", engine.target.name,
+             host, port, draft, engine.default_spec.k, blas.active())
     uvicorn.run(app, host=host, port=port, log_level="info")

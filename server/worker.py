@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.decode import StepTimings
 from specdec.engine import Engine, Request
+from specdec.speculative import SpecStats
 
 
 @dataclass
@@ -64,9 +64,9 @@ class EngineWorker:
                 job.post("error", e)
 
     def _run(self, job: Job) -> None:
-        timings = StepTimings()
+        timings = SpecStats()
         t0 = time.perf_counter()
-        gen = self.engine._run(job.request, timings, streaming=True)
+        gen = self.engine.run(job.request, timings)
         while True:
             if job.cancelled.is_set():
                 gen.close()

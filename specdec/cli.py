@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stats", action="store_true", help="print a JSON stats line to stderr")
+    _add_spec_args(g)
 
     sub.add_parser("info", help="backend, BLAS, model and cache paths")
 
@@ -53,7 +54,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
     s.add_argument("--chat-template", metavar="FILE", default=None)
+    _add_spec_args(s)
     return ap
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", default="none",
+                   help="speculative draft: a local mlx-lm directory, 'self' (the target as its "
+                        "own draft) or 'none' (plain decoding)")
+    p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
+                   help="tokens proposed per speculative round (1..16)")
+    p.add_argument("--no-draft-masking", action="store_true",
+                   help="let the draft propose unmasked (the verify backstop cuts)")
+    p.add_argument("--no-forced-drafting", action="store_true",
+                   help="run the draft model even where the grammar forces the token")
+
+
+def build_engine(model: str, args: argparse.Namespace) -> Any:
+    """Load the target (and draft) named on the command line into an Engine."""
+    from . import load
+    from .engine import Engine
+    from .speculative import SpecConfig
+
+    target = load(model)
+    draft = None
+    if args.draft_model == "self":
+        draft = target
+    elif args.draft_model not in ("none", "", None):
+        draft = load(args.draft_model)
+    spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting)
+    return Engine(target, draft, spec)
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -88,12 +118,10 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from . import load
-    from .engine import Engine
     from .sampling import SamplingParams
 
     constraint = _constraint(args)
-    engine = Engine(load(args.model))
+    engine = build_engine(args.model, args)
     msgs = _messages(args)
     if msgs is not None:
         ids = engine.chat_prompt(msgs, constrained=constraint is not None)
@@ -143,8 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.app import serve
 
     template = Path(args.chat_template).read_text() if args.chat_template else None
-    serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-          chat_template=template)
+    serve(build_engine(args.model, args), host=args.host, port=args.port,
+          api_key=args.api_key, chat_template=template)
     return 0
 
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .chat import render_chat
 from .decode import FinishReason, StepTimings, TokenId, decode_steps
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler
 from .models import LoadedModel
 from .sampling import SamplingParams
+from .speculative import DraftConfigError, SpecConfig, SpecStats, speculative_steps
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -27,7 +28,10 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """What one request cost. Times in seconds; `mask_s` is host llguidance fill time."""
+    """What one request cost. Times in seconds; `mask_s` is host llguidance fill time.
+
+    The speculative fields stay zero for plain decoding (`k` = 0).
+    """
 
     prompt_tokens: int
     completion_tokens: int
@@ -37,6 +41,18 @@ class GenerationStats:
     wait_s: float
     steps: int
     seed: int | None
+    k: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    forced: int = 0
+    grammar_cuts: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,6 +61,7 @@ class GenerationStats:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
+        d["acceptance_rate"] = round(self.acceptance_rate, 4)
         return d
 
 
@@ -69,6 +86,7 @@ class Request:
         sampling: how tokens are picked (seed filled in when sampling).
         max_tokens: most tokens to generate.
         stop: strings that end the output (not included in it).
+        spec: speculative settings, or None for plain decoding.
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -76,17 +94,45 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
+    spec: SpecConfig | None = None
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft that cannot propose in the target's token space.
+
+    Raises:
+        DraftConfigError: different tokenizers, or draft logits wider than the target's.
+    """
+    if draft.vocab_size > target.vocab_size:
+        raise DraftConfigError(f"draft {draft.name!r} has {draft.vocab_size} logits, more than "
+                               f"the target's {target.vocab_size}")
+    if draft.tokenizer is target.tokenizer:
+        return
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()))[:3]
+        raise DraftConfigError(f"draft {draft.name!r} uses a different tokenizer than the target "
+                               f"{target.name!r} (e.g. {diff}); speculation needs the same ids")
 
 
 class Engine:
-    """A target model with its grammar compiler.
+    """A target model with its grammar compiler and, optionally, a draft model.
 
     Args:
         target: the loaded target model.
+        draft: a draft with the target's tokenizer (may be the target itself), or None.
+        spec: default speculative settings for requests when a draft is present.
+    Raises:
+        DraftConfigError: an incompatible draft.
     """
 
-    def __init__(self, target: LoadedModel) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
+                 spec: SpecConfig = SpecConfig()) -> None:
+        if draft is not None:
+            check_draft(target, draft)
         self.target = target
+        self.draft = draft
+        self.default_spec = spec
         self.compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
             eos_token_ids=list(target.eos_token_ids))
@@ -112,13 +158,22 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
     def prepare(self, prompt_ids: Sequence[TokenId], *, constraint: Constraint | None = None,
                 sampling: SamplingParams = SamplingParams(),
-                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = ()) -> Request:
+                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
+                spec: SpecConfig | None | Literal["default"] = "default") -> Request:
         """Validate a request and fill in its seed.
 
+        Args:
+            spec: speculative settings; "default" uses the engine's when it has a draft,
+                None forces plain decoding.
         Raises:
             RequestError: empty or over-long prompt, bad max_tokens, bad token ids, empty stop.
             GrammarError: the constraint does not compile (compiled and cached here).
+            DraftConfigError: speculative settings without a draft model.
         """
+        if spec == "default":
+            spec = self.default_spec if self.draft is not None else None
+        if spec is not None and self.draft is None:
+            raise DraftConfigError("speculative decoding needs a draft model (--draft-model)")
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("prompt is empty: it must contain at least one token")
@@ -143,26 +198,17 @@ class Engine:
             sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
                                       secrets.randbits(63))
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
-                       tuple(stop))
+                       tuple(stop), spec)
 
     def compiled(self, req: Request) -> CompiledGrammar | None:
         return None if req.constraint is None else self.compiler.compile(req.constraint)
 
-    def stream(self, req: Request, timings: StepTimings | None = None
-               ) -> Iterator[tuple[TokenId, str]]:
-        """Yield (token, text delta) pairs; see `generate` for the finished result.
-
-        Stop strings are cut here; the caller reads `self.last_finish` for why it ended.
-        """
-        result = self._run(req, timings, streaming=True)
-        yield from result  # type: ignore[misc]
-
     def generate(self, req: Request) -> GenerationResult:
         """Run one request to completion."""
-        timings = StepTimings()
+        timings = SpecStats()
         t0 = time.perf_counter()
         tokens: list[TokenId] = []
-        gen = self._run(req, timings, streaming=False)
+        gen = self.run(req, timings)
         try:
             while True:
                 tok, _ = next(gen)
@@ -175,19 +221,37 @@ class Engine:
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens),
             prefill_s=timings.prefill_s, decode_s=max(total - timings.prefill_s, 0.0),
             mask_s=timings.mask_s, wait_s=timings.wait_s, steps=timings.steps,
-            seed=req.sampling.seed)
+            seed=req.sampling.seed, k=req.spec.k if req.spec else 0, rounds=timings.rounds,
+            proposed=timings.proposed, accepted=timings.accepted, forced=timings.forced,
+            grammar_cuts=timings.grammar_cuts, draft_s=timings.draft_s,
+            verify_s=timings.verify_s)
         return GenerationResult(text, tuple(tokens), finish, stats,
                                 grammar.warnings if grammar else ())
 
-    def _run(self, req: Request, timings: StepTimings | None, streaming: bool):
-        """Drive decode_steps, applying stop strings. Yields (token, delta); returns
-        (finish_reason, full text)."""
+    def run(self, req: Request, timings: StepTimings | None = None
+            ) -> Generator[tuple[TokenId, str], None, tuple[FinishReason, str]]:
+        """Decode a request, applying stop strings: the streaming primitive.
+
+        Yields (token id, text delta); the deltas hold back a possibly incomplete UTF-8
+        character and a possible stop-string prefix, so the final text (in the return value)
+        may extend what was yielded. Returns (finish reason, full text). Pass a `SpecStats`
+        as `timings` to collect speculative counters.
+        """
         grammar = self.compiled(req)
-        steps = decode_steps(self.target.model, req.prompt_ids,
-                             vocab_size=self.target.vocab_size,
-                             eos_token_ids=self.target.eos_token_ids, max_tokens=req.max_tokens,
-                             matcher=grammar.matcher() if grammar else None,
-                             params=req.sampling, timings=timings)
+        matcher = grammar.matcher() if grammar else None
+        if req.spec is not None and self.draft is not None:
+            stats = timings if isinstance(timings, SpecStats) else None
+            steps = speculative_steps(
+                self.target.model, self.draft.model, req.prompt_ids,
+                vocab_size=self.target.vocab_size, draft_vocab_size=self.draft.vocab_size,
+                eos_token_ids=self.target.eos_token_ids, max_tokens=req.max_tokens,
+                matcher=matcher, params=req.sampling, spec=req.spec, stats=stats)
+        else:
+            steps = decode_steps(self.target.model, req.prompt_ids,
+                                 vocab_size=self.target.vocab_size,
+                                 eos_token_ids=self.target.eos_token_ids,
+                                 max_tokens=req.max_tokens, matcher=matcher,
+                                 params=req.sampling, timings=timings)
         tokens: list[TokenId] = []
         emitted = ""
         hold = max((len(s) for s in req.stop), default=0)

@@ -90,50 +90,52 @@ def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
 
 
 def unpack_bitmask(bitmask: mx.array, vocab: int) -> mx.array:
-    """llguidance's packed mask (W,) int32 → allowed (vocab,) bool; ids past 32*W are banned."""
+    """llguidance's packed mask (..., W) int32 → allowed (..., vocab) bool; ids past 32*W are
+    banned."""
     shifts = mx.arange(32, dtype=mx.int32)
-    bits = mx.right_shift(bitmask[:, None], shifts[None, :]) & 1  # (W, 32)
-    allowed = bits.reshape(-1) != 0  # (32 W,)
-    width = allowed.shape[0]
+    bits = mx.right_shift(bitmask[..., None], shifts) & 1  # (..., W, 32)
+    allowed = bits.reshape(*bitmask.shape[:-1], -1) != 0  # (..., 32 W)
+    width = allowed.shape[-1]
     if width >= vocab:
-        return allowed[:vocab]
-    return mx.concatenate([allowed, mx.zeros((vocab - width,), dtype=mx.bool_)])
+        return allowed[..., :vocab]
+    pad = mx.zeros((*bitmask.shape[:-1], vocab - width), dtype=mx.bool_)
+    return mx.concatenate([allowed, pad], axis=-1)
 
 
 def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:
-    """Banned logits → -inf. logits (..., V), allowed (V,) bool."""
+    """Banned logits → -inf. logits (..., V), allowed (..., V) bool (broadcasts)."""
     return mx.where(allowed, logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
 def filter_top_k(x: mx.array, k: int) -> mx.array:
-    """Keep logits >= the k-th largest (ties at the boundary all kept). x (V,)."""
+    """Keep logits >= the k-th largest of their row (boundary ties all kept). x (..., V)."""
     if k <= 0 or k >= x.shape[-1]:
         return x
-    kth = mx.min(mx.topk(x, k))
+    kth = mx.min(mx.topk(x, k, axis=-1), axis=-1, keepdims=True)  # (..., 1)
     return mx.where(x >= kth, x, mx.array(-np.inf, dtype=x.dtype))
 
 
 def filter_top_p(x: mx.array, p: float) -> mx.array:
-    """Keep the smallest set of highest logits whose probability mass reaches p. x (V,).
+    """Keep each row's smallest set of highest logits whose probability mass reaches p.
 
-    Probabilities are float32 softmax; only a token whose cumulative mass lands within
-    rounding of `p` can depend on the backend's exp.
+    x (..., V). Probabilities are float32 softmax; only a token whose cumulative mass lands
+    within rounding of `p` can depend on the backend's exp.
     """
     if p >= 1.0:
         return x
-    sorted_x = -mx.sort(-x)  # (V,) descending
-    probs = mx.softmax(sorted_x)
-    before = mx.cumsum(probs) - probs  # mass strictly above each entry
-    keep = mx.maximum(mx.sum(before < p), 1)
-    threshold = sorted_x[keep - 1]
+    sorted_x = -mx.sort(-x, axis=-1)  # (..., V) descending
+    probs = mx.softmax(sorted_x, axis=-1)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each entry
+    keep = mx.maximum(mx.sum(before < p, axis=-1, keepdims=True), 1)  # (..., 1)
+    threshold = mx.take_along_axis(sorted_x, keep - 1, axis=-1)
     return mx.where(x >= threshold, x, mx.array(-np.inf, dtype=x.dtype))
 
 
 def pick(logits: mx.array, params: SamplingParams, noise: mx.array | None) -> mx.array:
-    """Choose a token from (already masked) logits (V,) float32 → () uint32.
+    """Choose a token per row from (already masked) logits (..., V) float32 → (...) uint32.
 
     Greedy: argmax (first index on ties). Sampling: Gumbel-max over the temperature-scaled,
-    top-k/top-p filtered logits with the position's `noise` (V,).
+    top-k/top-p filtered logits with each row's position noise (..., V).
     """
     if params.greedy:
         return mx.argmax(logits, axis=-1)

@@ -49,3 +49,5 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("exactness (fast path vs oracle)")
         for name, (same, total) in sorted(tally.CELLS.items()):
             terminalreporter.write_line(f"{name}: {same}/{total} identical")
+        for name, cuts in tally.CUTS.items():
+            terminalreporter.write_line(f"grammar cuts, {name}: {cuts}")

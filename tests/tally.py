@@ -10,3 +10,10 @@ CELLS: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [identical,
 def record(name: str, identical: bool) -> None:
     CELLS[name][1] += 1
     CELLS[name][0] += int(identical)
+
+
+CUTS: dict[str, int] = {"draft masking on": 0, "draft masking off": 0}
+
+
+def record_cuts(draft_masking: bool, cuts: int) -> None:
+    CUTS["draft masking on" if draft_masking else "draft masking off"] += cuts

@@ -11,7 +11,6 @@ import llguidance.numpy as llnp
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
 from oracle import reference_decode, report
 from oracle.sampler import unpack_mask
@@ -19,24 +18,12 @@ from specdec.decode import GrammarStateError, StepTimings, decode_steps
 from specdec.grammar import Constraint, GrammarCompiler
 from specdec.sampling import SamplingParams, unpack_bitmask
 from tests import tally
-
-TOKENIZER_VOCAB = 49152
-WIDTH = TOKENIZER_VOCAB + 13  # logits wider than the tokenizer, not a multiple of 32
-EOS = (0, 2)
+from tests.tiny import EOS, TOKENIZER_VOCAB, WIDTH, drain, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    mx.random.seed(1234)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5,
-                           vocab_size=WIDTH, num_key_value_heads=2, tie_word_embeddings=True)
-    model = llama.Model(args)
-    # Sharper logits than the default init so greedy decoding has clear winners.
-    model.update({"model": {"embed_tokens": {"weight":
-                  model.model.embed_tokens.weight * 40}}})
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama(1234)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +38,8 @@ def prompt(hf_tokenizer):
 
 
 def run(model, prompt, matcher=None, params=SamplingParams(), max_tokens=24):
-    gen = decode_steps(model, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
-                       max_tokens=max_tokens, matcher=matcher, params=params)
-    out = []
-    while True:
-        try:
-            out.append(next(gen))
-        except StopIteration as end:
-            return out, end.value
+    return drain(decode_steps(model, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
+                              max_tokens=max_tokens, matcher=matcher, params=params))
 
 
 def test_tiny_model_logits_have_the_padded_width(tiny, prompt):

@@ -1,0 +1,297 @@
+"""Speculative decoding under grammars: masked drafting, one-pass verify, exact acceptance.
+
+Each round:
+1. Draft: a clone of the request's matcher (`deep_copy`) masks the draft model's logits, so
+   every proposal is legal; where the grammar allows exactly one token it is proposed without
+   running the draft (forced-token drafting). The draft picks with the same (seed, position)
+   noise as the target, so under sampling it agrees as often as it can.
+2. Backstop: `validate_tokens` on the real matcher truncates the proposals at the first token
+   the grammar rejects (a "grammar cut"; never happens with draft masking on).
+3. Verify: the target scores [last token, proposals...] in one forward pass; the k+1 masks
+   come from the real matcher (advance, fill, then roll back) and are applied in one call.
+4. Accept: proposal j is accepted iff it equals the target's own pick at that position (same
+   mask, same noise as plain decoding), so the output equals plain decoding's token for
+   token. The first mismatch yields the target's pick (the bonus token).
+5. Rewind: both KV caches are trimmed to the accepted length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import llguidance.numpy as llnp
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from llguidance import LLMatcher
+from mlx_lm.models.cache import make_prompt_cache
+
+from .decode import FinishReason, GrammarStateError, StepTimings, TokenId, check_matcher, prefill
+from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
+
+MAX_DRAFT_TOKENS = 16
+
+
+class DraftConfigError(ValueError):
+    """Speculative settings out of range, or a draft that cannot serve this target."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings.
+
+    Attributes:
+        k: most tokens proposed per round (1..16).
+        draft_masking: mask the draft's logits with a matcher clone (proposals legal by
+            construction). Off: the draft proposes unmasked and the backstop cuts.
+        forced_drafting: propose grammar-forced tokens without running the draft model.
+    """
+
+    k: int = 4
+    draft_masking: bool = True
+    forced_drafting: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or not (1 <= self.k <= MAX_DRAFT_TOKENS):
+            raise DraftConfigError(f"k={self.k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+
+
+@dataclass
+class SpecStats(StepTimings):
+    """Speculative counters (mutable accumulator; times in seconds).
+
+    Attributes:
+        rounds: draft/verify rounds.
+        proposed: tokens proposed (by the draft model or forced).
+        accepted: proposals equal to the target's pick.
+        forced: proposals taken from a grammar-forced position.
+        grammar_cuts: rounds whose proposals the backstop truncated.
+        draft_s, verify_s: time in draft and verify phases.
+    """
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    forced: int = 0
+    grammar_cuts: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def single_allowed(bitmask: np.ndarray) -> int | None:
+    """The one allowed token id of a packed mask row, or None when 0 or 2+ are allowed."""
+    nz = np.flatnonzero(bitmask)
+    if nz.size != 1:
+        return None
+    word = int(bitmask[nz[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nz[0]) * 32 + word.bit_length() - 1
+
+
+def _trim(cache: list, n: int) -> None:
+    if n > 0:
+        for c in cache:
+            c.trim(n)
+
+
+def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[TokenId], *,
+                      vocab_size: int, draft_vocab_size: int,
+                      eos_token_ids: Sequence[TokenId], max_tokens: int,
+                      matcher: LLMatcher | None = None,
+                      params: SamplingParams = SamplingParams(),
+                      spec: SpecConfig = SpecConfig(), stats: SpecStats | None = None
+                      ) -> Generator[TokenId, None, FinishReason]:
+    """Yield the same token ids `decode_steps` would, faster when the draft agrees.
+
+    Args:
+        target, draft: mlx-lm models sharing one tokenizer (draft may be the target itself).
+        prompt: prompt token ids (non-empty).
+        vocab_size: target logits width V; draft_vocab_size: draft logits width (<= V).
+        eos_token_ids: ids that end the output.
+        max_tokens: most tokens to generate (>= 1).
+        matcher: the request's llguidance matcher (advanced in place), or None.
+        params: sampling parameters (a seed is required when sampling).
+        spec: k and the drafting switches.
+        stats: accumulator for counters and timings.
+    Returns:
+        "stop" (EOS or grammar complete) or "length".
+    Raises:
+        GrammarStateError: the matcher errored; nothing past that point is emitted.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+    if not params.greedy and params.seed is None:
+        raise ValueError("sampling (temperature > 0) needs a seed")
+    if draft_vocab_size > vocab_size:
+        raise DraftConfigError(f"draft vocabulary {draft_vocab_size} exceeds the target's "
+                               f"{vocab_size}")
+    stats = stats if stats is not None else SpecStats()
+    eos = set(eos_token_ids)
+    seed = params.seed or 0
+    words = (vocab_size + 31) // 32
+    t_cache, d_cache = make_prompt_cache(target), make_prompt_cache(draft)
+    seq = list(prompt)
+    t0 = time.perf_counter()
+    # Both caches hold seq[:-1]; each round feeds the last token plus the proposals.
+    if len(seq) > 1:
+        prefill(target, seq[:-1], t_cache)
+        prefill(draft, seq[:-1], d_cache)
+        mx.eval([c.state for c in t_cache + d_cache])
+    stats.prefill_s += time.perf_counter() - t0
+    if matcher is not None:
+        check_matcher(matcher)
+    emitted = 0
+    while True:
+        budget = max_tokens - emitted
+        kk = min(spec.k, budget - 1)
+        stats.rounds += 1
+        t0 = time.perf_counter()
+        props, fed = _draft(draft, d_cache, seq, kk, matcher, params, spec, stats, eos,
+                            vocab_size, draft_vocab_size, emitted)
+        stats.draft_s += time.perf_counter() - t0
+        stats.proposed += len(props)
+
+        t0 = time.perf_counter()
+        if matcher is not None and props:
+            body = props[:-1] if props[-1] in eos else props
+            n_ok = matcher.validate_tokens(body) if body else 0
+            if n_ok < len(body):
+                stats.grammar_cuts += 1
+                props = props[:n_ok]
+        bitmask = None
+        if matcher is not None:
+            # Rows never filled (after a proposed EOS) stay all-banned: fail closed.
+            bitmask = np.zeros((len(props) + 1, words), dtype=np.int32)
+            tm = time.perf_counter()
+            _verify_masks(matcher, props, bitmask, eos)
+            stats.mask_s += time.perf_counter() - tm
+        logits = target(mx.array([[seq[-1], *props]], dtype=mx.int32), cache=t_cache)[0]
+        if bitmask is not None:  # (m+1, V)
+            logits = apply_mask(logits, unpack_bitmask(mx.array(bitmask), vocab_size))
+        noise = None
+        if not params.greedy:
+            noise = mx.array(np.stack([position_noise(seed, emitted + j, vocab_size)
+                                       for j in range(len(props) + 1)]))
+        tw = time.perf_counter()
+        picks = pick(logits, params, noise).tolist()  # (m+1,)
+        stats.wait_s += time.perf_counter() - tw
+        stats.verify_s += time.perf_counter() - t0
+        stats.steps += 1
+
+        # Accept the agreeing prefix, then the target's own pick (bonus).
+        out: list[TokenId] = []
+        for j, p in enumerate(picks):
+            out.append(int(p))
+            if j < len(props) and p == props[j]:
+                stats.accepted += 1
+                continue
+            break
+        accepted = len(out) - 1  # the last one is the target's own (bonus) pick
+        finish: FinishReason | None = None
+        n_emit = 0
+        for t in out:
+            if matcher is not None:
+                matcher.consume_token(t)
+                check_matcher(matcher)
+            if t in eos:
+                finish = "stop"
+                break
+            seq.append(t)
+            n_emit += 1
+            emitted += 1
+            yield t
+            if matcher is not None and matcher.is_stopped():
+                finish = "stop"
+                break
+            if emitted >= max_tokens:
+                finish = "length"
+                break
+        if finish is not None:
+            return finish
+        # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
+        _trim(t_cache, len(props) - accepted)
+        # Draft cache holds a prefix of old seq + props[:fed]; keep what still agrees.
+        base = len(seq) - n_emit  # length of seq before this round's tokens
+        d_len = d_cache[0].offset if d_cache else 0
+        keep = min(d_len, base + min(fed, accepted))
+        _trim(d_cache, d_len - keep)
+
+
+def _draft(draft: nn.Module, d_cache: list, seq: list[TokenId], kk: int,
+           matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
+           stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int
+           ) -> tuple[list[TokenId], int]:
+    """Propose up to kk tokens; returns (proposals, how many of them the draft cache holds).
+
+    The draft cache holds a prefix of `seq`; the tokens after it are fed with the next draft
+    forward. With masking off an illegal proposal puts the clone in error, so drafting stops.
+    """
+    props: list[TokenId] = []
+    if kk <= 0:
+        return props, 0
+    clone = None
+    if matcher is not None and (spec.draft_masking or spec.forced_drafting):
+        clone = matcher.deep_copy()
+    row = llnp.allocate_token_bitmask(1, vocab_size)  # the matcher's width: target logits
+    feed = seq[d_cache[0].offset:]  # not yet in the draft cache; at least the last token
+    fed = 0
+    seed = params.seed or 0
+    for j in range(kk):
+        forced = None
+        if clone is not None:
+            llnp.fill_next_token_bitmask(clone, row, 0)
+            if clone.is_error():
+                break
+            if spec.forced_drafting:
+                forced = single_allowed(row[0])
+        if forced is not None:
+            if forced >= draft_vocab:
+                break  # the draft cannot embed it; let the target decide
+            tok = forced
+            stats.forced += 1
+        else:
+            logits = draft(mx.array([feed], dtype=mx.int32), cache=d_cache)[0, -1]  # (Vd,)
+            fed, feed = len(props), []
+            if clone is not None and spec.draft_masking:
+                logits = apply_mask(logits, unpack_bitmask(mx.array(row[0]), draft_vocab))
+            noise = None
+            if not params.greedy:
+                noise = mx.array(position_noise(seed, emitted + j, draft_vocab))
+            tok = int(pick(logits, params, noise).item())
+        props.append(tok)
+        if tok in eos:
+            break
+        feed.append(tok)
+        if clone is not None:
+            clone.consume_token(tok)
+            if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it
+                break
+    return props, fed
+
+
+def _verify_masks(matcher: LLMatcher, props: list[TokenId], bitmask: np.ndarray,
+                  eos: set[int]) -> None:
+    """Fill mask rows for every verify position by advancing the real matcher through the
+    proposals, then roll it back (in `finally`, so an exception leaves it as it was)."""
+    advanced = 0
+    try:
+        for j in range(len(props) + 1):
+            if j > 0 and props[j - 1] in eos:
+                break  # nothing follows EOS; that row is never used
+            llnp.fill_next_token_bitmask(matcher, bitmask, j)
+            if matcher.is_error():
+                raise GrammarStateError(f"grammar error while verifying: {matcher.get_error()}")
+            if j < len(props) and props[j] not in eos:
+                if not matcher.consume_token(props[j]):
+                    raise GrammarStateError("backstop let an illegal proposal through")
+                advanced += 1
+    finally:
+        if advanced:
+            matcher.rollback(advanced)
