@@ -9,6 +9,7 @@ stop strings or HTTP; `engine.py` wraps it.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -61,6 +62,43 @@ def prefill(model: nn.Module, prompt: Sequence[TokenId], cache: list, chunk: int
     return model(ids[:, last:], cache=cache)[0, -1]  # (V,)
 
 
+class PromptKVCache:
+    """LRU of prefilled prompts: (model, token ids) → KV state and last-position logits.
+
+    Repeated prompts (a shared system prompt, retries, the same request plain and
+    speculative) skip their prefill. A restored state is bit-identical to recomputing it, so
+    outputs do not change. Not thread-safe: owned by the engine's decode thread.
+    """
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, tuple[int, ...]], tuple[nn.Module, list, mx.array]]
+        self._entries = OrderedDict()
+        self.hits = 0
+
+    def prefill(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> mx.array:
+        """Like `prefill`, restoring a stored state when this model saw this prompt."""
+        key = (id(model), tuple(prompt))
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is model:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            for c, state in zip(cache, entry[1]):
+                c.state = _copy_state(state)  # fresh objects: decoding never writes the store
+            return entry[2]
+        logits = prefill(model, prompt, cache)
+        mx.eval(logits, [c.state for c in cache])
+        if self.capacity > 0:
+            self._entries[key] = (model, [_copy_state(c.state) for c in cache], logits)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return logits
+
+
+def _copy_state(state: tuple) -> tuple:
+    return tuple(mx.array(a) if isinstance(a, mx.array) else a for a in state)
+
+
 def check_matcher(matcher: LLMatcher) -> None:
     """Raise GrammarStateError when the matcher has entered its error state."""
     if matcher.is_error():
@@ -70,7 +108,7 @@ def check_matcher(matcher: LLMatcher) -> None:
 def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int,
                  eos_token_ids: Sequence[TokenId], max_tokens: int,
                  matcher: LLMatcher | None = None, params: SamplingParams = SamplingParams(),
-                 timings: StepTimings | None = None
+                 timings: StepTimings | None = None, kv_store: PromptKVCache | None = None
                  ) -> Generator[TokenId, None, FinishReason]:
     """Yield generated token ids (EOS never yielded); return the finish reason.
 
@@ -83,6 +121,7 @@ def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int
         matcher: the request's llguidance matcher (advanced in place), or None.
         params: sampling parameters; a seed is required when sampling.
         timings: accumulator for host timings.
+        kv_store: where prefilled prompts are kept for reuse (None: always prefill).
     Returns:
         "stop" on EOS or when the grammar is complete, "length" when max_tokens ran out.
     Raises:
@@ -96,7 +135,8 @@ def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int
     eos = set(eos_token_ids)
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache)
+    logits = (kv_store.prefill(model, prompt, cache) if kv_store is not None
+              else prefill(model, prompt, cache))
     mx.eval(logits)
     timings.prefill_s += time.perf_counter() - t0
     bitmask = None

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from .chat import render_chat
-from .decode import FinishReason, StepTimings, TokenId, decode_steps
+from .decode import FinishReason, PromptKVCache, StepTimings, TokenId, decode_steps
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler
 from .models import LoadedModel
 from .sampling import SamplingParams
@@ -133,6 +133,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self.default_spec = spec
+        self.kv_store = PromptKVCache()
         self.compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
             eos_token_ids=list(target.eos_token_ids))
@@ -245,13 +246,15 @@ class Engine:
                 self.target.model, self.draft.model, req.prompt_ids,
                 vocab_size=self.target.vocab_size, draft_vocab_size=self.draft.vocab_size,
                 eos_token_ids=self.target.eos_token_ids, max_tokens=req.max_tokens,
-                matcher=matcher, params=req.sampling, spec=req.spec, stats=stats)
+                matcher=matcher, params=req.sampling, spec=req.spec, stats=stats,
+                kv_store=self.kv_store)
         else:
             steps = decode_steps(self.target.model, req.prompt_ids,
                                  vocab_size=self.target.vocab_size,
                                  eos_token_ids=self.target.eos_token_ids,
                                  max_tokens=req.max_tokens, matcher=matcher,
-                                 params=req.sampling, timings=timings)
+                                 params=req.sampling, timings=timings,
+                                 kv_store=self.kv_store)
         tokens: list[TokenId] = []
         emitted = ""
         hold = max((len(s) for s in req.stop), default=0)

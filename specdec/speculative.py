@@ -28,7 +28,8 @@ import numpy as np
 from llguidance import LLMatcher
 from mlx_lm.models.cache import make_prompt_cache
 
-from .decode import FinishReason, GrammarStateError, StepTimings, TokenId, check_matcher, prefill
+from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId,
+                     check_matcher, prefill)
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 
 MAX_DRAFT_TOKENS = 16
@@ -106,7 +107,8 @@ def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[Toke
                       eos_token_ids: Sequence[TokenId], max_tokens: int,
                       matcher: LLMatcher | None = None,
                       params: SamplingParams = SamplingParams(),
-                      spec: SpecConfig = SpecConfig(), stats: SpecStats | None = None
+                      spec: SpecConfig = SpecConfig(), stats: SpecStats | None = None,
+                      kv_store: PromptKVCache | None = None
                       ) -> Generator[TokenId, None, FinishReason]:
     """Yield the same token ids `decode_steps` would, faster when the draft agrees.
 
@@ -120,6 +122,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[Toke
         params: sampling parameters (a seed is required when sampling).
         spec: k and the drafting switches.
         stats: accumulator for counters and timings.
+        kv_store: where prefilled prompts are kept for reuse (None: always prefill).
     Returns:
         "stop" (EOS or grammar complete) or "length".
     Raises:
@@ -141,8 +144,9 @@ def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[Toke
     t0 = time.perf_counter()
     # Both caches hold seq[:-1]; each round feeds the last token plus the proposals.
     if len(seq) > 1:
-        prefill(target, seq[:-1], t_cache)
-        prefill(draft, seq[:-1], d_cache)
+        fill = kv_store.prefill if kv_store is not None else prefill
+        fill(target, seq[:-1], t_cache)
+        fill(draft, seq[:-1], d_cache)
         mx.eval([c.state for c in t_cache + d_cache])
     stats.prefill_s += time.perf_counter() - t0
     if matcher is not None:

@@ -182,3 +182,15 @@ def test_timings_count_steps_and_mask_time(tiny, compiler, prompt):
 def test_sampling_without_seed_is_refused(tiny, prompt):
     with pytest.raises(ValueError, match="seed"):
         run(tiny, prompt, params=SamplingParams(0.7))
+
+
+def test_restored_prompt_state_gives_identical_output(tiny, compiler, prompt):
+    from specdec.decode import PromptKVCache
+
+    store = PromptKVCache(capacity=2)
+    g = compiler.compile(CONSTRAINTS["schema"])
+    fresh = run(tiny, prompt, g.matcher())
+    runs = [drain(decode_steps(tiny, prompt, vocab_size=WIDTH, eos_token_ids=EOS, max_tokens=24,
+                               matcher=g.matcher(), kv_store=store)) for _ in range(3)]
+    assert store.hits == 2
+    assert all(r == fresh for r in runs)  # the stored state is never mutated by a decode
