@@ -77,3 +77,11 @@ def interleaved(engine: Any, items: list[tuple[list[int], Constraint, int]],
 def paired_ratio(a: ArmResult, b: ArmResult) -> float:
     """Median over (round, prompt) of a's speed over b's, measured back to back."""
     return statistics.median(x / y for x, y in zip(a.tok_s, b.tok_s))
+
+
+def arm(constrained: bool, spec: Any = None) -> Arm:
+    """An arm decoding each item with or without its constraint; `spec` None = plain."""
+    def run(engine: Any, ids: list[int], c: Constraint, n: int) -> Any:
+        return engine.generate(engine.prepare(ids, constraint=c if constrained else None,
+                                              max_tokens=n, spec=spec))
+    return run

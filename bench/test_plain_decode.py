@@ -7,7 +7,7 @@ import os
 import statistics
 
 from bench import results
-from bench.harness import interleaved, paired_ratio, workload_items
+from bench.harness import arm, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
 
 ROUNDS = int(os.environ.get("SPECDEC_BENCH_ROUNDS", "3"))
@@ -15,16 +15,9 @@ MAX_TOKENS = 64
 BENCH_CASES = [c for c in CASES if c.kind in ("json_schema", "regex")]
 
 
-def plain(constrained: bool):
-    def arm(engine, ids, c, n):
-        return engine.generate(engine.prepare(ids, constraint=c if constrained else None,
-                                              max_tokens=n, spec=None))
-    return arm
-
-
 def test_plain_constrained_vs_unconstrained(benchmark, engine):
     items = workload_items(engine, BENCH_CASES, MAX_TOKENS)
-    arms = {"unconstrained": plain(False), "constrained": plain(True)}
+    arms = {"unconstrained": arm(False), "constrained": arm(True)}
     res = benchmark.pedantic(lambda: interleaved(engine, items, arms, ROUNDS), rounds=1,
                              iterations=1)
     un, co = res["unconstrained"], res["constrained"]

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from bench import results
-from bench.harness import interleaved, paired_ratio, workload_items
+from bench.harness import arm, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
 from specdec.speculative import SpecConfig
 
@@ -24,13 +24,6 @@ def self_engine(engine):
     from specdec.engine import Engine
 
     return Engine(engine.target, engine.target, SpecConfig(K))
-
-
-def arm(constrained: bool, spec: SpecConfig | None):
-    def run(engine, ids, c, n):
-        return engine.generate(engine.prepare(ids, constraint=c if constrained else None,
-                                              max_tokens=n, spec=spec))
-    return run
 
 
 def test_speculative_arms(benchmark, self_engine):

@@ -1,44 +1,61 @@
-"""FastAPI app: OpenAI-compatible endpoints adapting HTTP to `specdec`."""
+"""FastAPI app: OpenAI-compatible endpoints adapting HTTP to `specdec`.
+
+Handlers parse and validate (400s in OpenAI's error shape), render and compile off the
+event loop with a time limit, then hand the request to the one engine thread and relay its
+events as a JSON body or an SSE stream.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.chat import ChatTemplateError
+from specdec.chat import ChatTemplateError, ReasoningConflictError
 from specdec.decode import GrammarStateError
-from specdec.engine import DEFAULT_MAX_TOKENS, Engine, RequestError
+from specdec.engine import DEFAULT_MAX_TOKENS, Engine, Request as EngineRequest, RequestError
+from specdec.grammar import GrammarError
+from specdec.speculative import DraftConfigError
 
 from .errors import APIError, bad_request
-from .protocol import ChatRequest, parse_chat
+from .metrics import Metrics
+from .protocol import Common, parse_chat, parse_completion
 from .worker import EngineWorker, Job
 
 log = logging.getLogger("specdec.server")
 MAX_BODY_BYTES = 8 * 1024 * 1024
+COMPILE_TIMEOUT_S = 10.0
 
 
 def create_app(engine: Engine, *, api_key: str | None = None,
-               chat_template: str | None = None) -> FastAPI:
+               chat_template: str | None = None,
+               compile_timeout_s: float = COMPILE_TIMEOUT_S) -> FastAPI:
+    """The ASGI app serving `engine`. One engine thread; compiles in a small thread pool."""
     app = FastAPI(title="specdec")
     worker = EngineWorker(engine)
+    metrics = Metrics()
+    compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-compile")
     model_name = engine.target.name
-    app.state.worker = worker
+    app.state.worker, app.state.metrics = worker, metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        metrics.add(request_errors_total=1)
         return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        metrics.add(request_errors_total=1)
         return bad_request(f"invalid request: {e.errors()}").response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -49,6 +66,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
         log.exception("internal error")
+        metrics.add(request_errors_total=1)
         return APIError(500, f"internal error: {e}", type="server_error").response()
 
     @app.middleware("http")
@@ -59,12 +77,80 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                                 type="authentication_error", code="invalid_api_key").response()
         size = request.headers.get("content-length")
         if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return APIError(413, f"request body over {MAX_BODY_BYTES} bytes").response()
+            return APIError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                            code="request_too_large").response()
         return await call_next(request)
+
+    async def read_body(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                           code="request_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"request body is not valid JSON: {e}") from e
+
+    def check_model(common: Common) -> None:
+        if common.model not in (None, model_name, "default"):
+            raise APIError(404, f"model {common.model!r} does not exist; this server serves "
+                                f"{model_name!r}", type="not_found_error",
+                           code="model_not_found", param="model")
+
+    async def prepare(common: Common, to_ids: Any) -> tuple[EngineRequest, tuple[str, ...]]:
+        """Tokenize and compile off the event loop, within the compile time limit."""
+        def work() -> tuple[EngineRequest, tuple[str, ...]]:
+            ids = to_ids()
+            max_tokens = common.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.context_length - len(ids)))
+            req = engine.prepare(ids, constraint=common.constraint, sampling=common.sampling,
+                                 max_tokens=max_tokens, stop=common.stop,
+                                 spec=common.spec)  # type: ignore[arg-type]
+            grammar = engine.compiled(req)
+            return req, grammar.warnings if grammar else ()
+
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(compile_pool, work),
+                                          timeout=compile_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise bad_request(f"the constraint took longer than {compile_timeout_s:g}s to "
+                              "compile; simplify the schema", "response_format",
+                              "compile_timeout") from e
+        except GrammarError as e:
+            raise bad_request(str(e), "response_format", "invalid_grammar") from e
+        except ReasoningConflictError as e:
+            raise bad_request(str(e), "messages", "reasoning_conflict") from e
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from e
+        except DraftConfigError as e:
+            raise bad_request(str(e), "num_draft_tokens") from e
+        except RequestError as e:
+            raise bad_request(str(e), "max_tokens" if "max_tokens" in str(e) else "messages",
+                              "context_length_exceeded" if "context" in str(e) else None) from e
+
+    async def run(request: Request, common: Common, to_ids: Any, kind: str) -> Any:
+        req, warnings = await prepare(common, to_ids)
+        metrics.add(requests_total=1, requests_constrained_total=int(req.constraint is not None))
+        job = Job(req, loop=asyncio.get_running_loop())
+        worker.submit(job)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        headers = {"Warning": "199 specdec \"" + "; ".join(warnings).replace('"', "'") + "\""} \
+            if warnings else {}
+        if common.stream:
+            return StreamingResponse(_sse(job, common, rid, model_name, kind, metrics, warnings),
+                                     media_type="text/event-stream", headers=headers)
+        return await _complete(job, rid, model_name, kind, request, metrics, warnings, headers)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model_name, "queue_depth": worker.queue_depth}
+
+    @app.get("/metrics")
+    async def prom() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(worker.queue_depth),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -73,55 +159,43 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"request body is not valid JSON: {e}") from e
-        req = parse_chat(body)
-        if req.model not in (None, model_name, "default"):
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                                f"{model_name!r}", type="not_found_error",
-                           code="model_not_found", param="model")
-        job = Job(_prepare(engine, req, chat_template), loop=_loop())
-        worker.submit(job)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            return StreamingResponse(_sse(job, req, rid, model_name, request),
-                                     media_type="text/event-stream")
-        return await _complete(job, rid, model_name, request)
+        body = parse_chat(await read_body(request))
+        check_model(body.common)
+        return await run(request, body.common, lambda: engine.chat_prompt(
+            body.messages, constrained=body.common.constraint is not None,
+            template=chat_template, template_kwargs=body.template_kwargs), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = parse_completion(await read_body(request))
+        check_model(body.common)
+        prompt = body.prompt
+        return await run(request, body.common, lambda: (
+            engine.encode(prompt) if isinstance(prompt, str) else list(prompt)), "text")
+
+    @app.on_event("shutdown")
+    def _stop() -> None:
+        worker.stop()
+        compile_pool.shutdown(wait=False, cancel_futures=True)
 
     return app
 
 
-def _loop() -> Any:
-    import asyncio
-
-    return asyncio.get_running_loop()
-
-
-def _prepare(engine: Engine, req: ChatRequest, chat_template: str | None) -> Any:
-    from specdec.grammar import GrammarError
-
-    try:
-        ids = engine.chat_prompt(req.messages, constrained=req.constraint is not None,
-                                 template=chat_template, template_kwargs=req.template_kwargs)
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.context_length - len(ids)))
-        return engine.prepare(ids, constraint=req.constraint, sampling=req.sampling,
-                              max_tokens=max_tokens, stop=req.stop)
-    except GrammarError as e:
-        raise bad_request(str(e), "response_format", "invalid_grammar") from e
-    except ChatTemplateError as e:
-        raise bad_request(str(e), "messages") from e
-    except RequestError as e:
-        raise bad_request(str(e), "max_tokens" if "max_tokens" in str(e) else "messages") from e
-
-
-def _usage(job: Job, completion_tokens: int, timings: Any, seconds: float) -> dict[str, Any]:
+def _usage(job: Job, completion_tokens: int) -> dict[str, Any]:
     p = len(job.request.prompt_ids)
     return {"prompt_tokens": p, "completion_tokens": completion_tokens,
             "total_tokens": p + completion_tokens}
+
+
+def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
+               ) -> dict[str, Any]:
+    """The `specdec` object of a response: seed, speculative stats, what was not enforced."""
+    return {"seed": job.request.sampling.seed, "k": job.request.spec.k if job.request.spec else 0,
+            "steps": stats.steps, "rounds": stats.rounds, "proposed": stats.proposed,
+            "accepted": stats.accepted, "acceptance_rate": round(stats.acceptance_rate, 4),
+            "forced": stats.forced, "grammar_cuts": stats.grammar_cuts,
+            "mask_s": round(stats.mask_s, 6), "prefill_s": round(stats.prefill_s, 6),
+            "seconds": round(seconds, 6), "warnings": list(warnings)}
 
 
 def _error_of(e: Exception) -> APIError:
@@ -130,69 +204,89 @@ def _error_of(e: Exception) -> APIError:
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 
-async def _complete(job: Job, rid: str, model: str, http: Request) -> JSONResponse:
+def _choice(kind: str, text: str, finish: str | None) -> dict[str, Any]:
+    if kind == "chat":
+        return {"index": 0, "finish_reason": finish, "logprobs": None,
+                "message": {"role": "assistant", "content": text}}
+    return {"index": 0, "finish_reason": finish, "logprobs": None, "text": text}
+
+
+async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
+                    metrics: Metrics, warnings: tuple[str, ...], headers: dict[str, str]
+                    ) -> JSONResponse:
     n = 0
-    while True:
-        kind, *payload = await job.events.get()
-        if kind == "token":
-            n += 1
-        elif kind == "error":
-            raise _error_of(payload[0])
-        else:
-            finish, text, timings, seconds = payload
-            break
-    usage = _usage(job, n, timings, seconds)
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    raise
+                continue
+            if event[0] == "token":
+                n += 1
+            elif event[0] == "error":
+                raise _error_of(event[1])
+            else:
+                _, finish, text, stats, seconds = event
+                break
+    finally:
+        job.cancelled.set()  # a no-op when done; stops the engine when the client left
+    metrics.observe(len(job.request.prompt_ids), n, stats, seconds)
     return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
-                     "message": {"role": "assistant", "content": text}}],
-        "usage": usage,
-        "specdec": {"seed": job.request.sampling.seed, "steps": timings.steps,
-                    "k": job.request.spec.k if job.request.spec else 0,
-                    "rounds": timings.rounds, "proposed": timings.proposed,
-                    "accepted": timings.accepted, "forced": timings.forced,
-                    "grammar_cuts": timings.grammar_cuts, "mask_s": timings.mask_s,
-                    "prefill_s": timings.prefill_s, "seconds": seconds},
-    })
+        "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()), "model": model,
+        "choices": [_choice(kind, text, finish)], "usage": _usage(job, n),
+        "specdec": _extension(job, stats, seconds, warnings)}, headers=headers)
 
 
-async def _sse(job: Job, req: ChatRequest, rid: str, model: str, http: Request
-               ) -> AsyncIterator[str]:
+async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metrics: Metrics,
+               warnings: tuple[str, ...]) -> AsyncIterator[str]:
     created = int(time.time())
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(delta: dict[str, Any], finish: str | None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [{"index": 0, "delta": delta,
-                                             "finish_reason": finish, "logprobs": None}]}
+    def chunk(content: str | None, finish: str | None, first: bool = False) -> str:
+        if kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                {} if content is None else {"content": content})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": content or "", "finish_reason": finish,
+                      "logprobs": None}
+        body = {"id": rid, "object": obj, "created": created, "model": model,
+                "choices": [choice]}
         return f"data: {json.dumps(body)}\n\n"
 
     n, sent = 0, ""
     try:
-        yield chunk({"role": "assistant", "content": ""}, None)
+        if kind == "chat":
+            yield chunk(None, None, first=True)
         while True:
-            kind, *payload = await job.events.get()
-            if kind == "token":
+            event = await job.events.get()
+            if event[0] == "token":
                 n += 1
-                if payload[1]:
-                    sent += payload[1]
-                    yield chunk({"content": payload[1]}, None)
-            elif kind == "error":
-                yield f"data: {json.dumps(_error_of(payload[0]).body())}\n\n"
+                if event[2]:
+                    sent += event[2]
+                    yield chunk(event[2], None)
+            elif event[0] == "error":
+                yield f"data: {json.dumps(_error_of(event[1]).body())}\n\n"
                 break
             else:
-                finish, text, timings, seconds = payload
+                _, finish, text, stats, seconds = event
                 if len(text) > len(sent):  # tail held back for stop strings / partial UTF-8
-                    yield chunk({"content": text[len(sent):]}, None)
-                yield chunk({}, finish)
-                if req.include_usage:
-                    body = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [],
-                            "usage": _usage(job, n, timings, seconds)}
+                    yield chunk(text[len(sent):], None)
+                yield chunk(None, finish)
+                metrics.observe(len(job.request.prompt_ids), n, stats, seconds)
+                if common.include_usage:
+                    body = {"id": rid, "object": obj, "created": created, "model": model,
+                            "choices": [], "usage": _usage(job, n),
+                            "specdec": _extension(job, stats, seconds, warnings)}
                     yield f"data: {json.dumps(body)}\n\n"
                 break
         yield "data: [DONE]\n\n"
     finally:
-        job.cancelled.set()
+        job.cancelled.set()  # client gone mid-stream: the engine stops within one round
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,

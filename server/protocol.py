@@ -1,4 +1,4 @@
-"""OpenAI request parsing → specdec requests. Pure: no model, no HTTP."""
+"""OpenAI request parsing → specdec request parts. Pure: no model, no HTTP."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingError, SamplingParams
+from specdec.speculative import DraftConfigError, SpecConfig
 
 from .errors import bad_request
 
@@ -15,35 +16,55 @@ STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar
 
 
 @dataclass(frozen=True)
-class ChatRequest:
+class Common:
+    """What chat and text completions share."""
+
     model: str | None
-    messages: list[dict[str, Any]]
     constraint: Constraint | None
     sampling: SamplingParams
     max_tokens: int | None
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    spec: SpecConfig | None | str  # "default": the server's settings
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: Common
+    messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: Common
+    prompt: str | list[int]
 
 
 def _typed(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any) -> Any:
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) and bool not in types:
-        raise bad_request(f"'{key}' must be {' or '.join(t.__name__ for t in types)}", key)
-    if not isinstance(v, types):
-        raise bad_request(f"'{key}' must be {' or '.join(t.__name__ for t in types)}, "
-                          f"got {type(v).__name__}", key)
+    names = " or ".join("number" if t is float else t.__name__ for t in types)
+    if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+        raise bad_request(f"'{key}' must be {names}, got {type(v).__name__}", key)
     return v
 
 
-def parse_constraint(body: dict[str, Any]) -> Constraint | None:
-    """`response_format` or vLLM-style `structured_outputs` → Constraint (at most one)."""
+def parse_constraint(body: dict[str, Any], allow_response_format: bool = True
+                     ) -> Constraint | None:
+    """`response_format` or vLLM-style `structured_outputs` → Constraint (at most one).
+
+    `json_schema.strict: true` compiles strictly (unsupported keywords are a 400); otherwise
+    leniently, and what was not enforced is reported as warnings.
+    """
     found: list[Constraint] = []
     rf = body.get("response_format")
     if rf is not None:
+        if not allow_response_format:
+            raise bad_request("/v1/completions takes no response_format; use "
+                              "structured_outputs", "response_format")
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
             raise bad_request("'response_format' must be an object with a 'type'",
                               "response_format")
@@ -55,7 +76,11 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
             if not isinstance(js, dict) or "schema" not in js:
                 raise bad_request("response_format.json_schema must be an object with a "
                                   "'schema'", "response_format.json_schema")
-            found.append(Constraint.json_schema(js["schema"]))
+            strict = js.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad_request("response_format.json_schema.strict must be a boolean",
+                                  "response_format.json_schema.strict")
+            found.append(Constraint.json_schema(js["schema"], lenient=not strict))
         elif t != "text":
             raise bad_request(f"unknown response_format.type {t!r}: expected text, "
                               "json_object or json_schema", "response_format.type")
@@ -63,18 +88,21 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("'structured_outputs' must be an object", "structured_outputs")
-        kinds = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
         unknown = [k for k in so if k not in STRUCTURED_KINDS]
         if unknown:
             raise bad_request(f"unknown structured_outputs key(s) {unknown}: expected one of "
                               f"{sorted(STRUCTURED_KINDS)}", "structured_outputs")
+        kinds = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
         if len(kinds) > 1:
             raise bad_request(f"structured_outputs has {kinds}: give exactly one kind",
                               "structured_outputs")
         if kinds:
             k = kinds[0]
-            found.append(Constraint(STRUCTURED_KINDS[k],  # type: ignore[arg-type]
-                                    None if k == "json_object" else so[k]))
+            if k == "json":
+                found.append(Constraint.json_schema(so[k], lenient=True))
+            else:
+                found.append(Constraint(STRUCTURED_KINDS[k],  # type: ignore[arg-type]
+                                        None if k == "json_object" else so[k]))
     if len(found) > 1:
         raise bad_request("give either response_format or structured_outputs, not both",
                           "structured_outputs")
@@ -92,17 +120,23 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         raise bad_request(str(e), str(e).split("=")[0]) from e
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    """Validate a /v1/chat/completions body.
+def parse_spec(body: dict[str, Any]) -> SpecConfig | None | str:
+    k = _typed(body, "num_draft_tokens", (int,), None)
+    masking = _typed(body, "draft_masking", (bool,), None)
+    if k is None and masking is None:
+        return "default"
+    if k == 0:
+        return None  # plain decoding for this request
+    try:
+        return SpecConfig(k if k is not None else SpecConfig().k,
+                          True if masking is None else masking)
+    except DraftConfigError as e:
+        raise bad_request(f"num_draft_tokens: {e}", "num_draft_tokens") from e
 
-    Raises:
-        APIError: 400 naming the offending field.
-    """
+
+def parse_common(body: Any, allow_response_format: bool) -> Common:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
     n = _typed(body, "n", (int,), 1)
     if n != 1:
         raise bad_request(f"n={n}: only n=1 is supported", "n")
@@ -115,15 +149,44 @@ def parse_chat(body: Any) -> ChatRequest:
     stops: tuple[str, ...] = ()
     if isinstance(stop, str):
         stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
         stops = tuple(stop)
     elif stop is not None:
-        raise bad_request("'stop' must be a string or a list of strings", "stop")
+        raise bad_request("'stop' must be a string or a list of non-empty strings", "stop")
+    if len(stops) > 4:
+        raise bad_request(f"'stop' has {len(stops)} strings; at most 4", "stop")
     stream = bool(_typed(body, "stream", (bool,), False))
     so = _typed(body, "stream_options", (dict,), {})
+    return Common(model=_typed(body, "model", (str,), None),
+                  constraint=parse_constraint(body, allow_response_format),
+                  sampling=parse_sampling(body), max_tokens=max_tokens, stop=stops,
+                  stream=stream, include_usage=bool(so.get("include_usage", False)),
+                  spec=parse_spec(body))
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body.
+
+    Raises:
+        APIError: 400 naming the offending field.
+    """
+    common = parse_common(body, allow_response_format=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
     kwargs = _typed(body, "chat_template_kwargs", (dict,), {})
-    return ChatRequest(model=_typed(body, "model", (str,), None), messages=messages,
-                       constraint=parse_constraint(body), sampling=parse_sampling(body),
-                       max_tokens=max_tokens, stop=stops, stream=stream,
-                       include_usage=bool(so.get("include_usage", False)),
-                       template_kwargs=kwargs)
+    return ChatRequest(common, messages, kwargs)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Validate a /v1/completions body (prompt: a string or a list of token ids)."""
+    common = parse_common(body, allow_response_format=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ok_ids = isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if not (isinstance(prompt, str) and prompt) and not ok_ids:
+        raise bad_request("'prompt' must be a non-empty string or a list of token ids "
+                          "(one prompt per request)", "prompt")
+    return CompletionRequest(common, prompt)

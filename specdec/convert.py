@@ -61,7 +61,7 @@ def _scalar(v: Any) -> Any:
 
 
 def eos_token_ids(meta: dict[str, Any]) -> list[int]:
-    """Every token id that ends the output: the declared EOS/EOT ids plus end-marker control tokens."""
+    """Every token id that ends the output: declared EOS/EOT ids plus end-marker control tokens."""
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                 "tokenizer.ggml.eom_token_id"):
@@ -82,7 +82,8 @@ def build_tokenizer_files(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[st
 
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ConversionError(
-            f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported (only gpt2 BPE)")
+            f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
+            "(only gpt2 BPE)")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     types = meta["tokenizer.ggml.token_type"]

@@ -17,7 +17,6 @@ from typing import Literal
 import llguidance.numpy as llnp
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from llguidance import LLMatcher
 from mlx_lm.models.cache import make_prompt_cache
 

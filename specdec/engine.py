@@ -28,40 +28,32 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """What one request cost. Times in seconds; `mask_s` is host llguidance fill time.
+    """What one request cost. Times in seconds.
 
-    The speculative fields stay zero for plain decoding (`k` = 0).
+    The decode loop's timings and speculative counters (`prefill_s`, `mask_s`, `rounds`,
+    `accepted`, `grammar_cuts`, ...; zero for plain decoding) are read through from
+    `counters`.
     """
 
     prompt_tokens: int
     completion_tokens: int
-    prefill_s: float
     decode_s: float
-    mask_s: float
-    wait_s: float
-    steps: int
     seed: int | None
-    k: int = 0
-    rounds: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    forced: int = 0
-    grammar_cuts: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    k: int
+    counters: SpecStats
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.counters, name)
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if k != "counters"}
+        d.update(asdict(self.counters))
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
-        d["acceptance_rate"] = round(self.acceptance_rate, 4)
+        d["acceptance_rate"] = round(self.counters.acceptance_rate, 4)
         return d
 
 
@@ -220,12 +212,8 @@ class Engine:
         grammar = self.compiled(req)
         stats = GenerationStats(
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens),
-            prefill_s=timings.prefill_s, decode_s=max(total - timings.prefill_s, 0.0),
-            mask_s=timings.mask_s, wait_s=timings.wait_s, steps=timings.steps,
-            seed=req.sampling.seed, k=req.spec.k if req.spec else 0, rounds=timings.rounds,
-            proposed=timings.proposed, accepted=timings.accepted, forced=timings.forced,
-            grammar_cuts=timings.grammar_cuts, draft_s=timings.draft_s,
-            verify_s=timings.verify_s)
+            decode_s=max(total - timings.prefill_s, 0.0), seed=req.sampling.seed,
+            k=req.spec.k if req.spec else 0, counters=timings)
         return GenerationResult(text, tuple(tokens), finish, stats,
                                 grammar.warnings if grammar else ())
 

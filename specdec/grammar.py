@@ -54,8 +54,8 @@ class Constraint:
             `regex` (value: pattern), `grammar` (value: Lark or GBNF text), `choice`
             (value: list of strings).
         value: the constraint itself.
-        lenient: JSON only: ignore keywords llguidance does not implement (reported as
-            warnings) instead of refusing the schema.
+        lenient: JSON only: ignore keywords llguidance does not implement and treat `oneOf`
+            as `anyOf` (both reported as warnings) instead of refusing the schema.
     """
 
     kind: ConstraintKind
@@ -121,6 +121,7 @@ def to_grammar(c: Constraint) -> str:
         opts = dict(JSON_DEFAULTS, **dict(c.json_options))
         if c.lenient:
             opts["lenient"] = True
+            opts["coerce_one_of"] = True
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=opts)  # type: ignore[arg-type]
         except (ValueError, TypeError) as e:

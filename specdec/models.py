@@ -46,7 +46,8 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Where converted models live: `$SPECDEC_CACHE`, else `$XDG_CACHE_HOME/specdec`, else ~/.cache."""
+    """Where converted models live: `$SPECDEC_CACHE`, else `$XDG_CACHE_HOME/specdec`, else
+    `~/.cache/specdec`."""
     if os.environ.get("SPECDEC_CACHE"):
         return Path(os.environ["SPECDEC_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

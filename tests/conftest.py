@@ -29,6 +29,22 @@ def hf_tokenizer(embedded):
     return embedded.tokenizer
 
 
+@pytest.fixture(scope="session")
+def compiler(hf_tokenizer):
+    """Grammar compiler for the tiny models' padded logits width (tests/tiny.py)."""
+    from specdec.grammar import GrammarCompiler
+    from tests.tiny import EOS, WIDTH
+
+    return GrammarCompiler.for_hf_tokenizer(hf_tokenizer, n_vocab=WIDTH, eos_token_ids=list(EOS))
+
+
+@pytest.fixture(scope="session")
+def prompt(hf_tokenizer):
+    """A short chat prompt for the tiny models."""
+    return hf_tokenizer.encode("<|im_start|>user\nData please<|im_end|>\n<|im_start|>assistant\n",
+                               add_special_tokens=False)
+
+
 def pytest_configure(config):
     # Re-exec pytest without an OpenBLAS preload (the batch-invariant configuration), with
     # pytest's fd capture suspended so the new process writes to the real terminal.
@@ -39,7 +55,8 @@ def pytest_configure(config):
 def pytest_report_header(config):
     from specdec import blas
 
-    return [f"specdec: BLAS {blas.active()} (SPECDEC_BLAS={os.environ.get('SPECDEC_BLAS', 'auto')})"]
+    wanted = os.environ.get("SPECDEC_BLAS", "auto")
+    return [f"specdec: BLAS {blas.active()} (SPECDEC_BLAS={wanted})"]
 
 
 def pytest_terminal_summary(terminalreporter):

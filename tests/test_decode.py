@@ -15,7 +15,7 @@ import pytest
 from oracle import reference_decode, report
 from oracle.sampler import unpack_mask
 from specdec.decode import GrammarStateError, StepTimings, decode_steps
-from specdec.grammar import Constraint, GrammarCompiler
+from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams, unpack_bitmask
 from tests import tally
 from tests.tiny import EOS, TOKENIZER_VOCAB, WIDTH, drain, tiny_llama
@@ -24,17 +24,6 @@ from tests.tiny import EOS, TOKENIZER_VOCAB, WIDTH, drain, tiny_llama
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama(1234)
-
-
-@pytest.fixture(scope="module")
-def compiler(hf_tokenizer):
-    return GrammarCompiler.for_hf_tokenizer(hf_tokenizer, n_vocab=WIDTH, eos_token_ids=list(EOS))
-
-
-@pytest.fixture(scope="module")
-def prompt(hf_tokenizer):
-    return hf_tokenizer.encode("<|im_start|>user\nJSON please<|im_end|>\n<|im_start|>assistant\n",
-                               add_special_tokens=False)
 
 
 def run(model, prompt, matcher=None, params=SamplingParams(), max_tokens=24):

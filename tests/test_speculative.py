@@ -11,7 +11,7 @@ from bench.workloads import CASES
 from oracle import reference_decode, report
 from specdec.decode import GrammarStateError, decode_steps
 from specdec.engine import Engine
-from specdec.grammar import Constraint, GrammarCompiler
+from specdec.grammar import Constraint
 from specdec.models import LoadedModel
 from specdec.sampling import SamplingParams
 from specdec.speculative import (DraftConfigError, SpecConfig, SpecStats, single_allowed,
@@ -31,17 +31,6 @@ def target():
 @pytest.fixture(scope="module")
 def bad_draft():
     return tiny_llama(99)  # same vocabulary, unrelated weights: disagrees almost always
-
-
-@pytest.fixture(scope="module")
-def compiler(hf_tokenizer):
-    return GrammarCompiler.for_hf_tokenizer(hf_tokenizer, n_vocab=WIDTH, eos_token_ids=list(EOS))
-
-
-@pytest.fixture(scope="module")
-def prompt(hf_tokenizer):
-    return hf_tokenizer.encode("<|im_start|>user\nData please<|im_end|>\n<|im_start|>assistant\n",
-                               add_special_tokens=False)
 
 
 def plain(model, prompt, matcher=None, params=GREEDY, max_tokens=30):

@@ -1,0 +1,44 @@
+"""Server counters, exposed at /metrics in Prometheus text format."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class Metrics:
+    """Monotonic counters updated by the HTTP handlers (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.c: dict[str, float] = {
+            "requests_total": 0, "requests_constrained_total": 0, "request_errors_total": 0,
+            "prompt_tokens_total": 0, "completion_tokens_total": 0,
+            "draft_proposed_total": 0, "draft_accepted_total": 0, "draft_forced_total": 0,
+            "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
+        }
+
+    def add(self, **kv: float) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                self.c[k] += v
+
+    def observe(self, prompt_tokens: int, completion_tokens: int, stats: Any,
+                seconds: float) -> None:
+        self.add(prompt_tokens_total=prompt_tokens, completion_tokens_total=completion_tokens,
+                 draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
+                 draft_forced_total=stats.forced, grammar_cuts_total=stats.grammar_cuts,
+                 mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
+
+    def render(self, queue_depth: int) -> str:
+        with self._lock:
+            c = dict(self.c)
+        lines = []
+        for k, v in c.items():
+            lines += [f"# TYPE specdec_{k} counter", f"specdec_{k} {v:g}"]
+        rate = c["draft_accepted_total"] / c["draft_proposed_total"] \
+            if c["draft_proposed_total"] else 0.0
+        lines += ["# TYPE specdec_draft_acceptance_rate gauge",
+                  f"specdec_draft_acceptance_rate {rate:g}",
+                  "# TYPE specdec_queue_depth gauge", f"specdec_queue_depth {queue_depth}"]
+        return "\n".join(lines) + "\n"
