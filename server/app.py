@@ -8,6 +8,7 @@ events as a JSON body or an SSE stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -98,22 +99,29 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                            code="model_not_found", param="model")
 
     async def prepare(common: Common, to_ids: Any) -> tuple[EngineRequest, tuple[str, ...]]:
-        """Tokenize and compile off the event loop, within the compile time limit."""
-        def work() -> tuple[EngineRequest, tuple[str, ...]]:
+        """Tokenize, then compile within the time limit, off the event loop: a slow schema
+        is a 400 while other requests keep decoding (its compile finishes in the pool and
+        is cached)."""
+        def validate() -> EngineRequest:
             ids = to_ids()
             max_tokens = common.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.context_length - len(ids)))
-            req = engine.prepare(ids, constraint=common.constraint, sampling=common.sampling,
-                                 max_tokens=max_tokens, stop=common.stop,
-                                 spec=common.spec)  # type: ignore[arg-type]
-            grammar = engine.compiled(req)
-            return req, grammar.warnings if grammar else ()
+            return engine.prepare(ids, constraint=None, sampling=common.sampling,
+                                  max_tokens=max_tokens, stop=common.stop,
+                                  spec=common.spec)  # type: ignore[arg-type]
+
+        def compile_() -> tuple[str, ...]:
+            if common.constraint is None:
+                return ()
+            return engine.compiler.compile(common.constraint).warnings
 
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(compile_pool, work),
-                                          timeout=compile_timeout_s)
+            req = await loop.run_in_executor(compile_pool, validate)
+            warnings = await asyncio.wait_for(loop.run_in_executor(compile_pool, compile_),
+                                              timeout=compile_timeout_s)
+            return dataclasses.replace(req, constraint=common.constraint), warnings
         except asyncio.TimeoutError as e:
             raise bad_request(f"the constraint took longer than {compile_timeout_s:g}s to "
                               "compile; simplify the schema", "response_format",
@@ -290,14 +298,16 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, chat_template: str | None = None) -> None:
+          api_key: str | None = None, chat_template: str | None = None,
+          compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
     """Serve an engine until interrupted."""
     import uvicorn
 
     from specdec import blas
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(engine, api_key=api_key, chat_template=chat_template)
+    app = create_app(engine, api_key=api_key, chat_template=chat_template,
+                     compile_timeout_s=compile_timeout_s)
     draft = "none" if engine.draft is None else (
         "self" if engine.draft is engine.target else engine.draft.name)
     log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, BLAS: %s)", engine.target.name,

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
     s.add_argument("--chat-template", metavar="FILE", default=None)
+    s.add_argument("--compile-timeout", type=float, default=10.0,
+                   help="seconds a request's grammar may take to compile before it is a 400")
     _add_spec_args(s)
     return ap
 
@@ -172,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     template = Path(args.chat_template).read_text() if args.chat_template else None
     serve(build_engine(args.model, args), host=args.host, port=args.port,
-          api_key=args.api_key, chat_template=template)
+          api_key=args.api_key, chat_template=template,
+          compile_timeout_s=args.compile_timeout)
     return 0
 
 

@@ -327,3 +327,33 @@ def test_reasoning_template_without_switch_is_a_400(reasoning_servers):
     r = r1.client().chat.completions.create(model="default", messages=MSG, max_tokens=3,
                                             temperature=0)  # unconstrained is fine
     assert r.choices[0].finish_reason == "length"
+
+
+def test_concurrent_requests_do_not_interfere(server):
+    import concurrent.futures
+
+    def one(seed: int) -> str:
+        return chat_text(server.client(), False, seed=seed)[0]
+
+    sequential = [one(s) for s in (1, 2, 3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        concurrent_ = list(pool.map(one, (1, 2, 3)))
+    assert concurrent_ == sequential
+
+
+def test_schema_over_the_compile_limit_is_a_400_and_others_keep_being_served(embedded):
+    s = Server("--compile-timeout", "0.002")
+    try:
+        props = {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"}
+                 for i in range(300)}
+        schema = {"type": "object", "properties": props, "required": list(props)}
+        with pytest.raises(openai.BadRequestError, match="compile"):
+            s.client().chat.completions.create(
+                model="default", messages=MSG, max_tokens=5,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "big", "schema": schema}})
+        r = s.client().chat.completions.create(model="default", messages=MSG, max_tokens=2,
+                                               temperature=0)
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        s.stop()
