@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from bench import results
@@ -24,6 +27,10 @@ def engine():
 
 
 def pytest_terminal_summary(terminalreporter):
+    out = os.environ.get("SPECDEC_BENCH_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"machine": results.machine(), "rows": results.as_json()}, f, indent=2)
     if results.ROWS:
         terminalreporter.section("specdec benchmark figures")
         for line in results.table():

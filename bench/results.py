@@ -15,6 +15,12 @@ class Row:
 
 
 ROWS: list[Row] = []
+QUICK = os.environ.get("SPECDEC_BENCH_QUICK") == "1"
+
+
+def rounds(quick: int, full: int = 3) -> int:
+    """Repeats for a suite: `SPECDEC_BENCH_ROUNDS`, else `quick` in quick mode, else `full`."""
+    return int(os.environ.get("SPECDEC_BENCH_ROUNDS", quick if QUICK else full))
 
 
 def add(name: str, value: float, unit: str, note: str) -> None:

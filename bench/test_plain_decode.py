@@ -3,14 +3,14 @@ arms interleaved per prompt, medians over rounds."""
 
 from __future__ import annotations
 
-import os
 import statistics
 
 from bench import results
 from bench.harness import arm, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
 
-ROUNDS = int(os.environ.get("SPECDEC_BENCH_ROUNDS", "3"))
+QUICK = results.QUICK
+ROUNDS = results.rounds(2)
 MAX_TOKENS = 64
 BENCH_CASES = [c for c in CASES if c.kind in ("json_schema", "regex")]
 
@@ -31,6 +31,12 @@ def test_plain_constrained_vs_unconstrained(benchmark, engine):
                 f"{note}; {sum(co.tokens) // ROUNDS} tokens/round")
     results.add("plain_constrained_over_unconstrained", ratio, "ratio",
                 "median of per-prompt paired tok/s ratios")
+    visible = [1e3 / c - 1e3 / u for c, u in zip(co.tok_s, un.tok_s)]
+    results.add("visible_mask_overhead_ms_per_token", statistics.median(visible), "ms",
+                "constrained minus unconstrained ms/token, paired per prompt (median)")
+    step_ms = 1e3 / un.median_tok_s
+    results.add("visible_mask_overhead_fraction_of_step", statistics.median(visible) / step_ms,
+                "fraction", f"of an unconstrained decode step ({step_ms:.1f} ms)")
     per_token_mask = [s.mask_s / s.completion_tokens for s in co.stats]
     results.add("mask_fill_ms_per_token", statistics.median(per_token_mask) * 1e3, "ms",
                 "host llguidance fill per constrained token (median over prompts)")

@@ -13,7 +13,8 @@ from bench.harness import arm, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
 from specdec.speculative import SpecConfig
 
-ROUNDS = int(os.environ.get("SPECDEC_BENCH_ROUNDS", "3"))
+QUICK = results.QUICK
+ROUNDS = results.rounds(1)
 K = int(os.environ.get("SPECDEC_BENCH_K", "4"))
 MAX_TOKENS = 64
 BENCH_CASES = [c for c in CASES if c.kind in ("json_schema", "regex")]
@@ -52,3 +53,20 @@ def test_speculative_arms(benchmark, self_engine):
                 "fraction", "grammar-forced proposals (free drafts), masking on")
     benchmark.extra_info.update({n: r.median_tok_s for n, r in res.items()})
     assert sc.total("grammar_cuts") == 0
+
+
+def test_forced_drafting_and_k_sweep(benchmark, self_engine):
+    items = workload_items(self_engine, BENCH_CASES[:4] if QUICK else BENCH_CASES, MAX_TOKENS)
+    ks = (1, 2, 4, 8)
+    arms = {f"k{k}": arm(True, SpecConfig(k)) for k in ks}
+    arms["k4_no_forced"] = arm(True, SpecConfig(4, forced_drafting=False))
+    res = benchmark.pedantic(lambda: interleaved(self_engine, items, arms, ROUNDS), rounds=1,
+                             iterations=1)
+    note = f"draft = target, constrained; {ROUNDS} rounds x {len(items)} prompts"
+    for k in ks:
+        r = res[f"k{k}"]
+        results.add(f"spec_constrained_k{k}_tok_s", r.median_tok_s, "tok/s", note)
+        results.add(f"spec_constrained_k{k}_acceptance",
+                    r.total("accepted") / max(r.total("proposed"), 1), "fraction", note)
+    results.add("forced_drafting_on_over_off", paired_ratio(res["k4"], res["k4_no_forced"]),
+                "ratio", note + ", k=4")

@@ -4,10 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -19,47 +15,10 @@ import pytest
 from annotated_types import Ge, Le, MaxLen, MinLen
 from pydantic import BaseModel, ConfigDict, Field
 
+from tests.serverproc import Server
+
 TEMPLATES = Path(__file__).parent / "templates"
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env.pop("SPECDEC_BLAS_REEXEC", None)
-        env.pop("SPECDEC_BLAS", None)  # the server picks the fast BLAS itself
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec", "serve", "--port", str(self.port), *args],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise RuntimeError("server did not come up")
-
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
-                             timeout=300)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +30,7 @@ def server(embedded):  # `embedded` converts the model once before servers start
 
 @pytest.fixture(scope="module")
 def client(server):
-    return server.client()
+    return server.client(KEY)
 
 
 # Seed-003 patterns, bounded so a 135M model finishes: cascade, routing (Union), cycle (list).
@@ -333,7 +292,7 @@ def test_concurrent_requests_do_not_interfere(server):
     import concurrent.futures
 
     def one(seed: int) -> str:
-        return chat_text(server.client(), False, seed=seed)[0]
+        return chat_text(server.client(KEY), False, seed=seed)[0]
 
     sequential = [one(s) for s in (1, 2, 3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:

@@ -1,0 +1,106 @@
+"""`python -m bench report [--quick] [--json FILE] [--plots DIR]`: run the benchmark suites
+(in a subprocess, so the fast BLAS is picked before MLX loads), print one table and write the
+same rows as JSON `[{"name", "value", "unit", "note"}]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Rows every report must carry, so reports stay comparable over time.
+REQUIRED = (
+    "plain_constrained_over_unconstrained", "spec_constrained_over_unconstrained",
+    "spec_over_plain_constrained", "draft_masking_on_over_off", "draft_masking_acceptance_on",
+    "draft_masking_acceptance_off", "grammar_cuts_on", "grammar_cuts_off", "mask_fill_us_p50",
+    "mask_fill_us_p99", "visible_mask_overhead_ms_per_token", "compile_ms_p50_unique",
+    "ttft_unique_over_cached", "ours_over_peer_plain_constrained",
+    "ours_over_peer_spec_constrained", "server_tok_s_c1", "server_tok_s_c8",
+    "server_p99_latency_s_c8",
+)
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    """tok/s per arm, and acceptance vs k (matplotlib, bench-only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    by = {r["name"]: r["value"] for r in rows}
+    made = []
+    arms = [(r["name"].removesuffix("_tok_s"), r["value"]) for r in rows
+            if r["unit"] == "tok/s" and not r["name"].startswith("server_")]
+    if arms:
+        fig, ax = plt.subplots(figsize=(9, 0.4 * len(arms) + 1.5))
+        ax.barh([a for a, _ in arms], [v for _, v in arms])
+        ax.set_xlabel("tokens / s")
+        ax.set_title("decode speed per arm (embedded model)")
+        fig.tight_layout()
+        made.append(out / "tok_s_per_arm.png")
+        fig.savefig(made[-1], dpi=110)
+    ks = [k for k in (1, 2, 4, 8) if f"spec_constrained_k{k}_acceptance" in by]
+    if ks:
+        fig, ax1 = plt.subplots(figsize=(6, 4))
+        ax1.plot(ks, [by[f"spec_constrained_k{k}_acceptance"] for k in ks], "o-",
+                 label="acceptance")
+        ax1.set_xlabel("k (tokens proposed per round)")
+        ax1.set_ylabel("acceptance")
+        ax1.set_ylim(0, 1.05)
+        ax2 = ax1.twinx()
+        ax2.plot(ks, [by[f"spec_constrained_k{k}_tok_s"] for k in ks], "s--", color="C1",
+                 label="tok/s")
+        ax2.set_ylabel("tokens / s")
+        ax1.set_title("constrained speculative decoding vs k (draft = target)")
+        fig.tight_layout()
+        made.append(out / "acceptance_vs_k.png")
+        fig.savefig(made[-1], dpi=110)
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rp = sub.add_parser("report", help="run the suites and print the figures")
+    rp.add_argument("--quick", action="store_true", help="fewer rounds (under 10 minutes)")
+    rp.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    rp.add_argument("--plots", metavar="DIR", help="write PNG plots")
+    rp.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        env = dict(os.environ, SPECDEC_BENCH_OUT=str(out))
+        if args.quick:
+            env["SPECDEC_BENCH_QUICK"] = "1"
+        cmd = [sys.executable, "-m", "pytest", str(Path(__file__).parent), "-q",
+               "-p", "no:cacheprovider", "--benchmark-disable-gc", *args.pytest_args]
+        proc = subprocess.run(cmd, env=env)
+        if not out.exists():
+            print("bench: the suites wrote no figures", file=sys.stderr)
+            return proc.returncode or 1
+        data = json.loads(out.read_text())
+    rows = data["rows"]
+    print(f"\n{data['machine']}")
+    print(f"{'figure':44} {'value':>10} {'unit':9} how measured")
+    for r in rows:
+        print(f"{r['name']:44} {r['value']:10.3f} {r['unit']:9} {r['note']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.plots:
+        for p in plots(rows, Path(args.plots)):
+            print(f"plot: {p}")
+    missing = [n for n in REQUIRED if n not in {r["name"] for r in rows}]
+    if missing:
+        print(f"bench: missing rows: {missing}", file=sys.stderr)
+        return 1
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

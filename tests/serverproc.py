@@ -1,0 +1,53 @@
+"""A real `specdec serve` process on a free loopback port (tests and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """Start `specdec serve ARGS...` and wait for /health; `stop()` ends it."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("SPECDEC_BLAS_REEXEC", None)
+        env.pop("SPECDEC_BLAS", None)  # the server picks the fast BLAS itself
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specdec", "serve", "--port", str(self.port), *args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise RuntimeError("server did not come up")
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
+                             timeout=300)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
