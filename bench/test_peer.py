@@ -72,21 +72,22 @@ def test_ours_vs_peer(benchmark, engine):
     model, V = engine.target.model, engine.target.vocab_size
     eos = set(engine.target.eos_token_ids)
     cases = [c for c in CASES if c.kind == "json_schema"][:4]
-    ratios: dict[str, list[float]] = {"plain": [], "spec": []}
+    ratios: dict[str, list[float]] = {"plain": [], "spec": [], "jump": []}
+    jump = Engine(engine.target, None, SpecConfig(8))
 
     def one_round() -> None:
         for case in cases:
             c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
             ids = engine.chat_prompt(case.messages(), constrained=True)
             g = engine.compiler.compile(c)
-            for mode in ("plain", "spec"):
-                eng = engine if mode == "plain" else ours_spec
-                req = eng.prepare(ids, constraint=c, max_tokens=MAX_TOKENS,
-                                  spec=None if mode == "plain" else SpecConfig(K))
+            for mode in ("plain", "spec", "jump"):
+                eng = {"plain": engine, "spec": ours_spec, "jump": jump}[mode]
+                spec = {"plain": None, "spec": SpecConfig(K), "jump": SpecConfig(8)}[mode]
+                req = eng.prepare(ids, constraint=c, max_tokens=MAX_TOKENS, spec=spec)
                 n_o, s_o = timed((t for t, _ in eng.run(req)), eos, MAX_TOKENS)
                 proc = LLGuidanceProcessor(g.matcher(), len(ids), V)
                 prompt = mx.array(ids)
-                if mode == "plain":
+                if mode in ("plain", "jump"):
                     peer = (t for t, _ in generate_step(prompt, model, max_tokens=MAX_TOKENS,
                                                         logits_processors=[proc]))
                 else:
@@ -102,3 +103,7 @@ def test_ours_vs_peer(benchmark, engine):
                 note + "; peer: mlx_lm generate_step + llguidance processor")
     results.add("ours_over_peer_spec_constrained", statistics.median(ratios["spec"]), "ratio",
                 note + f"; peer: speculative_generate_step (draft = target, k={K})")
+    results.add("ours_jump_forward_over_peer_plain_constrained",
+                statistics.median(ratios["jump"]), "ratio",
+                note + "; ours: no draft model, forced-token runs in one forward (the "
+                "default for constrained requests without a draft)")

@@ -8,6 +8,7 @@ import statistics
 from bench import results
 from bench.harness import arm, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
+from specdec.speculative import SpecConfig
 
 QUICK = results.QUICK
 ROUNDS = results.rounds(2)
@@ -17,10 +18,11 @@ BENCH_CASES = [c for c in CASES if c.kind in ("json_schema", "regex")]
 
 def test_plain_constrained_vs_unconstrained(benchmark, engine):
     items = workload_items(engine, BENCH_CASES, MAX_TOKENS)
-    arms = {"unconstrained": arm(False), "constrained": arm(True)}
+    arms = {"unconstrained": arm(False), "constrained": arm(True),
+            "constrained_jump_forward": arm(True, SpecConfig(8))}
     res = benchmark.pedantic(lambda: interleaved(engine, items, arms, ROUNDS), rounds=1,
                              iterations=1)
-    un, co = res["unconstrained"], res["constrained"]
+    un, co, jf = res["unconstrained"], res["constrained"], res["constrained_jump_forward"]
     ratio = paired_ratio(co, un)
     note = f"{ROUNDS} rounds x {len(items)} prompts, arms back to back per prompt"
     benchmark.extra_info.update({"unconstrained_tok_s": un.median_tok_s,
@@ -31,6 +33,13 @@ def test_plain_constrained_vs_unconstrained(benchmark, engine):
                 f"{note}; {sum(co.tokens) // ROUNDS} tokens/round")
     results.add("plain_constrained_over_unconstrained", ratio, "ratio",
                 "median of per-prompt paired tok/s ratios")
+    results.add("jump_forward_constrained_tok_s", jf.median_tok_s, "tok/s",
+                f"{note}; no draft model: runs of grammar-forced tokens in one forward")
+    results.add("jump_forward_constrained_over_unconstrained", paired_ratio(jf, un), "ratio",
+                "median of per-prompt paired tok/s ratios")
+    results.add("jump_forward_forced_fraction",
+                jf.total("forced") / max(sum(jf.tokens), 1), "fraction",
+                "output tokens proposed as grammar-forced")
     visible = [1e3 / c - 1e3 / u for c, u in zip(co.tok_s, un.tok_s)]
     results.add("visible_mask_overhead_ms_per_token", statistics.median(visible), "ms",
                 "constrained minus unconstrained ms/token, paired per prompt (median)")

@@ -308,8 +308,9 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(engine, api_key=api_key, chat_template=chat_template,
                      compile_timeout_s=compile_timeout_s)
-    draft = "none" if engine.draft is None else (
-        "self" if engine.draft is engine.target else engine.draft.name)
+    draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward else "")
+             if engine.draft is None else
+             "self" if engine.draft is engine.target else engine.draft.name)
     log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, BLAS: %s)", engine.target.name,
              host, port, draft, engine.default_spec.k, blas.active())
     uvicorn.run(app, host=host, port=port, log_level="info")

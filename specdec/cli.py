@@ -70,6 +70,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="let the draft propose unmasked (the verify backstop cuts)")
     p.add_argument("--no-forced-drafting", action="store_true",
                    help="run the draft model even where the grammar forces the token")
+    p.add_argument("--no-jump-forward", action="store_true",
+                   help="with no draft model, decode constrained requests one token per "
+                        "forward instead of feeding runs of grammar-forced tokens at once")
 
 
 def build_engine(model: str, args: argparse.Namespace) -> Any:
@@ -85,7 +88,7 @@ def build_engine(model: str, args: argparse.Namespace) -> Any:
     elif args.draft_model not in ("none", "", None):
         draft = load(args.draft_model)
     spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting)
-    return Engine(target, draft, spec)
+    return Engine(target, draft, spec, jump_forward=not args.no_jump_forward)
 
 
 def _constraint(args: argparse.Namespace) -> Any:

@@ -113,18 +113,21 @@ class Engine:
     Args:
         target: the loaded target model.
         draft: a draft with the target's tokenizer (may be the target itself), or None.
-        spec: default speculative settings for requests when a draft is present.
+        spec: default speculative settings for requests.
+        jump_forward: with no draft, run constrained requests through the speculative loop
+            proposing grammar-forced tokens only (a run of forced tokens costs one forward).
     Raises:
         DraftConfigError: an incompatible draft.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
-                 spec: SpecConfig = SpecConfig()) -> None:
+                 spec: SpecConfig = SpecConfig(), jump_forward: bool = True) -> None:
         if draft is not None:
             check_draft(target, draft)
         self.target = target
         self.draft = draft
         self.default_spec = spec
+        self.jump_forward = jump_forward
         self.kv_store = PromptKVCache()
         self.compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
@@ -156,17 +159,18 @@ class Engine:
         """Validate a request and fill in its seed.
 
         Args:
-            spec: speculative settings; "default" uses the engine's when it has a draft,
-                None forces plain decoding.
+            spec: speculative settings; "default" uses the engine's (with no draft: for
+                constrained requests when jump-forward is on), None forces plain decoding.
+                Without a draft model only grammar-forced tokens are proposed.
         Raises:
             RequestError: empty or over-long prompt, bad max_tokens, bad token ids, empty stop.
             GrammarError: the constraint does not compile (compiled and cached here).
-            DraftConfigError: speculative settings without a draft model.
         """
         if spec == "default":
-            spec = self.default_spec if self.draft is not None else None
-        if spec is not None and self.draft is None:
-            raise DraftConfigError("speculative decoding needs a draft model (--draft-model)")
+            if self.draft is not None or (constraint is not None and self.jump_forward):
+                spec = self.default_spec
+            else:
+                spec = None
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("prompt is empty: it must contain at least one token")
@@ -228,11 +232,13 @@ class Engine:
         """
         grammar = self.compiled(req)
         matcher = grammar.matcher() if grammar else None
-        if req.spec is not None and self.draft is not None:
+        if req.spec is not None:
             stats = timings if isinstance(timings, SpecStats) else None
+            draft = self.draft or None
             steps = speculative_steps(
-                self.target.model, self.draft.model, req.prompt_ids,
-                vocab_size=self.target.vocab_size, draft_vocab_size=self.draft.vocab_size,
+                self.target.model, draft.model if draft else None, req.prompt_ids,
+                vocab_size=self.target.vocab_size,
+                draft_vocab_size=draft.vocab_size if draft else self.target.vocab_size,
                 eos_token_ids=self.target.eos_token_ids, max_tokens=req.max_tokens,
                 matcher=matcher, params=req.sampling, spec=req.spec, stats=stats,
                 kv_store=self.kv_store)

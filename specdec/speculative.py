@@ -3,8 +3,10 @@
 Each round:
 1. Draft: a clone of the request's matcher (`deep_copy`) masks the draft model's logits, so
    every proposal is legal; where the grammar allows exactly one token it is proposed without
-   running the draft (forced-token drafting). The draft picks with the same (seed, position)
-   noise as the target, so under sampling it agrees as often as it can.
+   running the draft (forced-token drafting). With no draft model at all, only forced tokens
+   are proposed ("jump-forward": a run of forced tokens costs one target forward). The draft
+   picks with the same (seed, position) noise as the target, so under sampling it agrees as
+   often as it can.
 2. Backstop: `validate_tokens` on the real matcher truncates the proposals at the first token
    the grammar rejects (a "grammar cut"; never happens with draft masking on).
 3. Verify: the target scores [last token, proposals...] in one forward pass; the k+1 masks
@@ -102,7 +104,7 @@ def _trim(cache: list, n: int) -> None:
             c.trim(n)
 
 
-def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[TokenId], *,
+def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequence[TokenId], *,
                       vocab_size: int, draft_vocab_size: int,
                       eos_token_ids: Sequence[TokenId], max_tokens: int,
                       matcher: LLMatcher | None = None,
@@ -113,7 +115,8 @@ def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[Toke
     """Yield the same token ids `decode_steps` would, faster when the draft agrees.
 
     Args:
-        target, draft: mlx-lm models sharing one tokenizer (draft may be the target itself).
+        target, draft: mlx-lm models sharing one tokenizer (draft may be the target itself,
+            or None to propose grammar-forced tokens only).
         prompt: prompt token ids (non-empty).
         vocab_size: target logits width V; draft_vocab_size: draft logits width (<= V).
         eos_token_ids: ids that end the output.
@@ -139,14 +142,16 @@ def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[Toke
     eos = set(eos_token_ids)
     seed = params.seed or 0
     words = (vocab_size + 31) // 32
-    t_cache, d_cache = make_prompt_cache(target), make_prompt_cache(draft)
+    t_cache = make_prompt_cache(target)
+    d_cache = make_prompt_cache(draft) if draft is not None else []
     seq = list(prompt)
     t0 = time.perf_counter()
     # Both caches hold seq[:-1]; each round feeds the last token plus the proposals.
     if len(seq) > 1:
         fill = kv_store.prefill if kv_store is not None else prefill
         fill(target, seq[:-1], t_cache)
-        fill(draft, seq[:-1], d_cache)
+        if draft is not None:
+            fill(draft, seq[:-1], d_cache)
         mx.eval([c.state for c in t_cache + d_cache])
     stats.prefill_s += time.perf_counter() - t0
     if matcher is not None:
@@ -228,7 +233,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module, prompt: Sequence[Toke
         _trim(d_cache, d_len - keep)
 
 
-def _draft(draft: nn.Module, d_cache: list, seq: list[TokenId], kk: int,
+def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
            matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int
            ) -> tuple[list[TokenId], int]:
@@ -244,7 +249,7 @@ def _draft(draft: nn.Module, d_cache: list, seq: list[TokenId], kk: int,
     if matcher is not None and (spec.draft_masking or spec.forced_drafting):
         clone = matcher.deep_copy()
     row = llnp.allocate_token_bitmask(1, vocab_size)  # the matcher's width: target logits
-    feed = seq[d_cache[0].offset:]  # not yet in the draft cache; at least the last token
+    feed = seq[d_cache[0].offset:] if d_cache else []  # not yet in the draft cache
     fed = 0
     seed = params.seed or 0
     for j in range(kk):
@@ -260,6 +265,8 @@ def _draft(draft: nn.Module, d_cache: list, seq: list[TokenId], kk: int,
                 break  # the draft cannot embed it; let the target decide
             tok = forced
             stats.forced += 1
+        elif draft is None:
+            break  # jump-forward only: stop at the first position the grammar leaves open
         else:
             logits = draft(mx.array([feed], dtype=mx.int32), cache=d_cache)[0, -1]  # (Vd,)
             fed, feed = len(props), []

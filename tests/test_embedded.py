@@ -52,7 +52,7 @@ def fast(engine, case: Case, mode: str):
     if key not in _results:
         ids = engine.chat_prompt(case.messages(), constrained=True)
         req = engine.prepare(ids, constraint=constraint_of(case), sampling=MODES[mode],
-                             max_tokens=MAX_TOKENS)
+                             max_tokens=MAX_TOKENS, spec=None)
         _results[key] = (ids, engine.generate(req))
     return _results[key]
 

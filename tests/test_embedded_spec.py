@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from specdec import blas
+from specdec.engine import Engine
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
@@ -28,9 +29,13 @@ CELLS = [(k, dm, fd) for k in (2, 8) for dm in (True, False) for fd in (True, Fa
 
 @pytest.fixture(scope="module")
 def spec_engine(embedded):
-    from specdec.engine import Engine
-
     return Engine(embedded, embedded, SpecConfig(k=4))
+
+
+@pytest.fixture(scope="module")
+def jf_engine(embedded):
+    """No draft model: constrained requests propose grammar-forced tokens only."""
+    return Engine(embedded, None, SpecConfig(k=4))
 
 
 MATRIX = [(c, m) for c in SHORT_CASES for m in sorted(MODES)
@@ -38,7 +43,7 @@ MATRIX = [(c, m) for c in SHORT_CASES for m in sorted(MODES)
 
 
 @pytest.mark.parametrize("case,mode", MATRIX, ids=[f"{c.name}-{m}" for c, m in MATRIX])
-def test_embedded_spec_matrix_equals_plain(spec_engine, case, mode):
+def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
     ids = short_prompt(spec_engine, case)
     c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
     p = MODES[mode]
@@ -55,6 +60,14 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, case, mode):
             bad.append((k, dm, fd, got.stats.grammar_cuts))
         if p.greedy and dm:  # the target drafting for itself (masked) agrees everywhere
             assert got.stats.accepted == got.stats.proposed
+    for k in (4, 8):  # no draft model: grammar-forced tokens only (jump-forward)
+        got = jf_engine.generate(jf_engine.prepare(ids, constraint=c, sampling=p,
+                                                   max_tokens=MAX_TOKENS, spec=SpecConfig(k)))
+        same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        tally.record("embedded: jump-forward (no draft) vs plain", same)
+        if not same:
+            bad.append(("jump-forward", k))
+        assert got.stats.proposed == got.stats.forced > 0
     assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
 
 

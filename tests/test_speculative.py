@@ -197,14 +197,14 @@ CELLS = [(k, dm, fd) for k in KS for dm in (True, False) for fd in (True, False)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
-@pytest.mark.parametrize("draft_name", ["self", "bad"])
+@pytest.mark.parametrize("draft_name", ["self", "bad", "none"])
 @pytest.mark.parametrize("case", MATRIX_CASES, ids=[c.name for c in MATRIX_CASES])
 def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_name, mode):
     """Every {k} x {draft masking} x {forced drafting} cell equals plain decoding and the
     oracle token for token; cuts are 0 whenever draft masking is on."""
     params = GREEDY if mode == "greedy" else SEEDED
     g = compiler.compile(Constraint(case.kind, case.value))  # type: ignore[arg-type]
-    draft = target if draft_name == "self" else bad_draft
+    draft = {"self": target, "bad": bad_draft, "none": None}[draft_name]
     want = plain(target, prompt, g.matcher(), params, max_tokens=40)
     oracle = reference_decode(target, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
                               max_tokens=40, matcher=g.matcher(),
