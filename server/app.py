@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.chat import ChatTemplateError, ReasoningConflictError
 from specdec.decode import GrammarStateError
 from specdec.engine import DEFAULT_MAX_TOKENS, Engine, Request as EngineRequest, RequestError
-from specdec.grammar import GrammarError
+from specdec.grammar import CompiledGrammar, GrammarError
 from specdec.speculative import DraftConfigError
 
 from .errors import APIError, bad_request
@@ -111,17 +111,18 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                                   max_tokens=max_tokens, stop=common.stop,
                                   spec=common.spec)  # type: ignore[arg-type]
 
-        def compile_() -> tuple[str, ...]:
+        def compile_() -> CompiledGrammar | None:
             if common.constraint is None:
-                return ()
-            return engine.compiler.compile(common.constraint).warnings
+                return None
+            return engine.compiler.compile(common.constraint)
 
         loop = asyncio.get_running_loop()
         try:
             req = await loop.run_in_executor(compile_pool, validate)
-            warnings = await asyncio.wait_for(loop.run_in_executor(compile_pool, compile_),
-                                              timeout=compile_timeout_s)
-            return dataclasses.replace(req, constraint=common.constraint), warnings
+            grammar = await asyncio.wait_for(loop.run_in_executor(compile_pool, compile_),
+                                             timeout=compile_timeout_s)
+            return (dataclasses.replace(req, constraint=common.constraint, grammar=grammar),
+                    grammar.warnings if grammar else ())
         except asyncio.TimeoutError as e:
             raise bad_request(f"the constraint took longer than {compile_timeout_s:g}s to "
                               "compile; simplify the schema", "response_format",

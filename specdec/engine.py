@@ -79,6 +79,7 @@ class Request:
         max_tokens: most tokens to generate.
         stop: strings that end the output (not included in it).
         spec: speculative settings, or None for plain decoding.
+        grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -87,6 +88,7 @@ class Request:
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
     spec: SpecConfig | None = None
+    grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -189,16 +191,18 @@ class Engine:
                                f"{self.target.vocab_size})")
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
-        if constraint is not None:
-            self.compiler.compile(constraint)
+        grammar = self.compiler.compile(constraint) if constraint is not None else None
         if not sampling.greedy and sampling.seed is None:
             sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
                                       secrets.randbits(63))
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
-                       tuple(stop), spec)
+                       tuple(stop), spec, grammar)
 
     def compiled(self, req: Request) -> CompiledGrammar | None:
-        return None if req.constraint is None else self.compiler.compile(req.constraint)
+        """The request's compiled grammar (from `prepare`, else compiled now)."""
+        if req.grammar is not None or req.constraint is None:
+            return req.grammar
+        return self.compiler.compile(req.constraint)
 
     def generate(self, req: Request) -> GenerationResult:
         """Run one request to completion."""
@@ -234,7 +238,7 @@ class Engine:
         matcher = grammar.matcher() if grammar else None
         if req.spec is not None:
             stats = timings if isinstance(timings, SpecStats) else None
-            draft = self.draft or None
+            draft = self.draft
             steps = speculative_steps(
                 self.target.model, draft.model if draft else None, req.prompt_ids,
                 vocab_size=self.target.vocab_size,
