@@ -20,7 +20,8 @@ REQUIRED = (
     "mask_fill_us_p99", "visible_mask_overhead_ms_per_token", "compile_ms_p50_unique",
     "ttft_unique_over_cached", "ours_over_peer_plain_constrained",
     "ours_over_peer_spec_constrained", "server_tok_s_c1", "server_tok_s_c8",
-    "server_p99_latency_s_c8",
+    "server_p99_latency_s_c8", "draft_acceptance_distilled", "draft_cost_over_target_step",
+    "spec_over_plain_constrained_distilled", "spec_over_plain_constrained_lookup",
 )
 
 

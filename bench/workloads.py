@@ -88,3 +88,41 @@ CASES: tuple[Case, ...] = (
     Case("choice", "Is the sky blue on a clear day? Answer yes or no.", "choice", ["yes", "no"]),
     Case("json_object", "Describe a cat as a JSON object with two fields.", "json_object"),
 )
+
+
+# Extraction: the answer's strings are spans of the prompt (prompt lookup's workload).
+CONTACT = {"type": "object",
+           "properties": {"name": {"type": "string"}, "title": {"type": "string"},
+                          "company": {"type": "string"}, "email": {"type": "string"},
+                          "phone": {"type": "string"}, "city": {"type": "string"}},
+           "required": ["name", "title", "company", "email", "phone", "city"],
+           "additionalProperties": False}
+
+ORDER = {"type": "object",
+         "properties": {"order_id": {"type": "string"}, "customer": {"type": "string"},
+                        "items": {"type": "array", "maxItems": 4,
+                                  "items": {"type": "object",
+                                            "properties": {"product": {"type": "string"},
+                                                           "quantity": {"type": "integer"}},
+                                            "required": ["product", "quantity"],
+                                            "additionalProperties": False}},
+                        "ship_to": {"type": "string"}},
+         "required": ["order_id", "customer", "items", "ship_to"],
+         "additionalProperties": False}
+
+EXTRACT_ASK = "Extract the fields from the text below as JSON, copying values exactly.\n\n"
+
+EXTRACTION: tuple[Case, ...] = (
+    Case("extract_contact", EXTRACT_ASK + "Text: Please welcome Dr. Margaret Okonkwo-Lindqvist, "
+         "the new Head of Applied Research at Brightwater Analytics. Reach her at "
+         "margaret.okonkwo-lindqvist@brightwater-analytics.com or +44 20 7946 0958; she "
+         "works from the Edinburgh office.", "json_schema", CONTACT),
+    Case("extract_order", EXTRACT_ASK + "Text: Order PO-2026-118734 placed by Sebastian "
+         "Villanueva-Hartmann: 3 x Ergonomic Mesh Office Chair, 2 x Adjustable Standing Desk "
+         "Converter, 1 x Noise Cancelling Headphones. Deliver to 4417 Cedar Hollow Road, "
+         "Apartment 12B, Portland, Oregon 97205.", "json_schema", ORDER),
+    Case("extract_contact2", EXTRACT_ASK + "Text: From the conference badge: Rajesh "
+         "Subramanian-Castellanos, Principal Infrastructure Engineer, Northwind Logistics "
+         "International. Email rajesh.subramanian@northwind-logistics.example, mobile "
+         "+1 (415) 555-0187, based in San Francisco.", "json_schema", CONTACT),
+)

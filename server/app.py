@@ -107,9 +107,12 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             max_tokens = common.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.context_length - len(ids)))
+            spec = common.spec
+            if isinstance(spec, dict):
+                spec = dataclasses.replace(engine.default_spec, **spec)
             return engine.prepare(ids, constraint=None, sampling=common.sampling,
                                   max_tokens=max_tokens, stop=common.stop,
-                                  spec=common.spec)  # type: ignore[arg-type]
+                                  spec=spec)  # type: ignore[arg-type]
 
         def compile_() -> CompiledGrammar | None:
             if common.constraint is None:
@@ -202,7 +205,8 @@ def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
     return {"seed": job.request.sampling.seed, "k": job.request.spec.k if job.request.spec else 0,
             "steps": stats.steps, "rounds": stats.rounds, "proposed": stats.proposed,
             "accepted": stats.accepted, "acceptance_rate": round(stats.acceptance_rate, 4),
-            "forced": stats.forced, "grammar_cuts": stats.grammar_cuts,
+            "forced": stats.forced, "looked_up": stats.looked_up, "drafted": stats.drafted,
+            "drafted_accepted": stats.drafted_accepted, "grammar_cuts": stats.grammar_cuts,
             "mask_s": round(stats.mask_s, 6), "prefill_s": round(stats.prefill_s, 6),
             "seconds": round(seconds, 6), "warnings": list(warnings)}
 

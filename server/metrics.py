@@ -27,7 +27,10 @@ class Metrics:
                 seconds: float) -> None:
         self.add(prompt_tokens_total=prompt_tokens, completion_tokens_total=completion_tokens,
                  draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
-                 draft_forced_total=stats.forced, grammar_cuts_total=stats.grammar_cuts,
+                 draft_forced_total=stats.forced, draft_looked_up_total=stats.looked_up,
+                 draft_model_total=stats.drafted,
+                 draft_model_accepted_total=stats.drafted_accepted,
+                 grammar_cuts_total=stats.grammar_cuts,
                  mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
 
     def render(self, queue_depth: int) -> str:

@@ -26,7 +26,7 @@ class Common:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    spec: SpecConfig | None | str  # "default": the server's settings
+    spec: dict[str, Any] | None | str  # "default": the server's settings; dict: overrides
 
 
 @dataclass(frozen=True)
@@ -120,18 +120,23 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
         raise bad_request(str(e), str(e).split("=")[0]) from e
 
 
-def parse_spec(body: dict[str, Any]) -> SpecConfig | None | str:
+def parse_spec(body: dict[str, Any]) -> dict[str, Any] | None | str:
+    """The request's speculative overrides of the server's settings: "default" (none), None
+    (plain decoding: num_draft_tokens=0) or {field: value} for `SpecConfig`."""
     k = _typed(body, "num_draft_tokens", (int,), None)
     masking = _typed(body, "draft_masking", (bool,), None)
-    if k is None and masking is None:
+    lookup = _typed(body, "prompt_lookup", (bool,), None)
+    if k is None and masking is None and lookup is None:
         return "default"
     if k == 0:
         return None  # plain decoding for this request
-    try:
-        return SpecConfig(k if k is not None else SpecConfig().k,
-                          True if masking is None else masking)
-    except DraftConfigError as e:
-        raise bad_request(f"num_draft_tokens: {e}", "num_draft_tokens") from e
+    if k is not None:
+        try:
+            SpecConfig(k)
+        except DraftConfigError as e:
+            raise bad_request(f"num_draft_tokens: {e}", "num_draft_tokens") from e
+    fields = {"k": k, "draft_masking": masking, "lookup": lookup}
+    return {name: v for name, v in fields.items() if v is not None}
 
 
 def parse_common(body: Any, allow_response_format: bool) -> Common:

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId,
                      check_matcher, prefill)
+from .lookup import LookupCursor, NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 
 MAX_DRAFT_TOKENS = 16
@@ -50,15 +51,28 @@ class SpecConfig:
         draft_masking: mask the draft's logits with a matcher clone (proposals legal by
             construction). Off: the draft proposes unmasked and the backstop cuts.
         forced_drafting: propose grammar-forced tokens without running the draft model.
+        lookup: propose continuations of the context's own n-grams (prompt lookup) before
+            asking the draft model; legal ones only, like every proposal.
+        lookup_min_ngram: the shortest context suffix (tokens) a lookup match must repeat.
+        draft_min_prob: stop drafting this round when the draft model gives its own pick
+            less than this probability (a likely rejection costs verify width and draft
+            steps); 0 drafts all k.
     """
 
     k: int = 4
     draft_masking: bool = True
     forced_drafting: bool = True
+    lookup: bool = False
+    lookup_min_ngram: int = 2
+    draft_min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or not (1 <= self.k <= MAX_DRAFT_TOKENS):
             raise DraftConfigError(f"k={self.k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
+        if not 0.0 <= self.draft_min_prob < 1.0:
+            raise DraftConfigError(f"draft_min_prob={self.draft_min_prob!r}: must be in [0, 1)")
+        if self.lookup_min_ngram < 1:
+            raise DraftConfigError(f"lookup_min_ngram={self.lookup_min_ngram!r}: must be >= 1")
 
 
 @dataclass
@@ -69,7 +83,8 @@ class SpecStats(StepTimings):
         rounds: draft/verify rounds.
         proposed: tokens proposed (by the draft model or forced).
         accepted: proposals equal to the target's pick.
-        forced: proposals taken from a grammar-forced position.
+        forced, looked_up, drafted: proposals by source (grammar-forced, prompt lookup,
+            draft model); `*_accepted`: how many of each the target accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
         draft_s, verify_s: time in draft and verify phases.
     """
@@ -78,6 +93,11 @@ class SpecStats(StepTimings):
     proposed: int = 0
     accepted: int = 0
     forced: int = 0
+    forced_accepted: int = 0
+    looked_up: int = 0
+    looked_up_accepted: int = 0
+    drafted: int = 0
+    drafted_accepted: int = 0
     grammar_cuts: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -85,6 +105,11 @@ class SpecStats(StepTimings):
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """Acceptance of the draft model's own proposals (forced and looked-up excluded)."""
+        return self.drafted_accepted / self.drafted if self.drafted else 0.0
 
 
 def single_allowed(bitmask: np.ndarray) -> int | None:
@@ -156,14 +181,17 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
     stats.prefill_s += time.perf_counter() - t0
     if matcher is not None:
         check_matcher(matcher)
+    index = NgramIndex(seq) if spec.lookup else None
     emitted = 0
     while True:
         budget = max_tokens - emitted
         kk = min(spec.k, budget - 1)
         stats.rounds += 1
         t0 = time.perf_counter()
-        props, fed = _draft(draft, d_cache, seq, kk, matcher, params, spec, stats, eos,
-                            vocab_size, draft_vocab_size, emitted)
+        if index is not None:
+            index.extend(seq[len(index.tokens):])
+        props, sources, fed = _draft(draft, d_cache, seq, kk, matcher, params, spec, stats,
+                                     eos, vocab_size, draft_vocab_size, emitted, index)
         stats.draft_s += time.perf_counter() - t0
         stats.proposed += len(props)
 
@@ -173,7 +201,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
             n_ok = matcher.validate_tokens(body) if body else 0
             if n_ok < len(body):
                 stats.grammar_cuts += 1
-                props = props[:n_ok]
+                props, sources = props[:n_ok], sources[:n_ok]
         bitmask = None
         if matcher is not None:
             # Rows never filled (after a proposed EOS) stay all-banned: fail closed.
@@ -203,6 +231,8 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
                 continue
             break
         accepted = len(out) - 1  # the last one is the target's own (bonus) pick
+        for src in sources[:accepted]:
+            setattr(stats, src + "_accepted", getattr(stats, src + "_accepted") + 1)
         finish: FinishReason | None = None
         n_emit = 0
         for t in out:
@@ -235,38 +265,50 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
 
 def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
            matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
-           stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int
-           ) -> tuple[list[TokenId], int]:
-    """Propose up to kk tokens; returns (proposals, how many of them the draft cache holds).
+           stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
+           index: NgramIndex | None = None) -> tuple[list[TokenId], list[str], int]:
+    """Propose up to kk tokens, each from the first source that has one: the grammar (a
+    forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
 
-    The draft cache holds a prefix of `seq`; the tokens after it are fed with the next draft
-    forward. With masking off an illegal proposal puts the clone in error, so drafting stops.
+    Returns (proposals, their sources: "forced" | "looked_up" | "drafted", how many proposals
+    the draft cache holds). The draft cache holds a prefix of `seq`; the tokens after it are
+    fed with the next draft forward. With masking off an illegal proposal puts the clone in
+    error, so drafting stops.
     """
     props: list[TokenId] = []
+    sources: list[str] = []
     if kk <= 0:
-        return props, 0
+        return props, sources, 0
     clone = None
-    if matcher is not None and (spec.draft_masking or spec.forced_drafting):
+    if matcher is not None and (spec.draft_masking or spec.forced_drafting or index):
         clone = matcher.deep_copy()
     row = llnp.allocate_token_bitmask(1, vocab_size)  # the matcher's width: target logits
     feed = seq[d_cache[0].offset:] if d_cache else []  # not yet in the draft cache
     fed = 0
     seed = params.seed or 0
+    cursor = LookupCursor(index, spec.lookup_min_ngram) if index is not None else None
+    tail = seq[-index.max_n:] if index is not None else []
     for j in range(kk):
-        forced = None
+        forced = cand = None
         if clone is not None:
             llnp.fill_next_token_bitmask(clone, row, 0)
             if clone.is_error():
                 break
             if spec.forced_drafting:
                 forced = single_allowed(row[0])
+        if forced is None and cursor is not None:
+            cand = cursor.next(tail)
+            if cand is not None and clone is not None and cand < vocab_size and not (
+                    int(row[0, cand >> 5]) >> (cand & 31)) & 1:
+                cand = None  # the grammar forbids it here: not a proposal
         if forced is not None:
             if forced >= draft_vocab:
                 break  # the draft cannot embed it; let the target decide
-            tok = forced
-            stats.forced += 1
+            tok, src = forced, "forced"
+        elif cand is not None and cand < draft_vocab:
+            tok, src = cand, "looked_up"
         elif draft is None:
-            break  # jump-forward only: stop at the first position the grammar leaves open
+            break  # no model: stop at the first position nothing else can fill
         else:
             logits = draft(mx.array([feed], dtype=mx.int32), cache=d_cache)[0, -1]  # (Vd,)
             fed, feed = len(props), []
@@ -275,16 +317,28 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
             noise = None
             if not params.greedy:
                 noise = mx.array(position_noise(seed, emitted + j, draft_vocab))
-            tok = int(pick(logits, params, noise).item())
+            choice = pick(logits, params, noise)
+            if spec.draft_min_prob > 0:
+                scale = 1.0 if params.greedy else params.temperature
+                probs = mx.softmax(logits / scale, axis=-1)
+                tok = int(choice.item())
+                if float(probs[tok].item()) < spec.draft_min_prob:
+                    break  # unlikely to be accepted: verify what we have
+            tok, src = int(choice.item()), "drafted"
         props.append(tok)
+        sources.append(src)
+        setattr(stats, src, getattr(stats, src) + 1)
         if tok in eos:
             break
         feed.append(tok)
+        if cursor is not None:
+            cursor.advance(tok)
+            tail = (tail + [tok])[-cursor.index.max_n:]
         if clone is not None:
             clone.consume_token(tok)
             if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it
                 break
-    return props, fed
+    return props, sources, fed
 
 
 def _verify_masks(matcher: LLMatcher, props: list[TokenId], bitmask: np.ndarray,

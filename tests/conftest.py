@@ -68,3 +68,5 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{name}: {same}/{total} identical")
         for name, cuts in tally.CUTS.items():
             terminalreporter.write_line(f"grammar cuts, {name}: {cuts}")
+        for name, (acc, prop) in sorted(tally.SOURCES.items()):
+            terminalreporter.write_line(f"proposals accepted, {name}: {acc}/{prop}")

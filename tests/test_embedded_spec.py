@@ -1,4 +1,5 @@
-"""Speculative decoding on the embedded model, the target as its own draft.
+"""Speculative decoding on the embedded model: the shipped distilled draft, the target as its
+own draft, no draft (jump-forward), and prompt lookup on an extraction workload.
 
 On the reference BLAS (this suite's configuration) a k+1-token verify pass is bitwise equal
 to k+1 single steps, so every cell must equal plain decoding exactly. A smaller matrix runs
@@ -14,7 +15,9 @@ import sys
 
 import pytest
 
+import specdec
 from specdec import blas
+from bench.workloads import EXTRACTION
 from specdec.engine import Engine
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
@@ -25,6 +28,17 @@ from tests.spec_matrix import SHORT_CASES, short_prompt
 MAX_TOKENS = 24
 MODES = {"greedy": SamplingParams(), "seeded": SamplingParams(0.8, top_k=40, seed=11)}
 CELLS = [(k, dm, fd) for k in (2, 8) for dm in (True, False) for fd in (True, False)]
+SELF_CELLS = [(k, dm, True) for k in (2, 8) for dm in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def distilled(embedded):
+    return specdec.load("default-draft")
+
+
+@pytest.fixture(scope="module")
+def distilled_engine(embedded, distilled):
+    return Engine(embedded, distilled, SpecConfig(k=4))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +64,7 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
     want = spec_engine.generate(spec_engine.prepare(ids, constraint=c, sampling=p,
                                                     max_tokens=MAX_TOKENS, spec=None))
     bad = []
-    for k, dm, fd in CELLS:
+    for k, dm, fd in SELF_CELLS:
         got = spec_engine.generate(spec_engine.prepare(
             ids, constraint=c, sampling=p, max_tokens=MAX_TOKENS, spec=SpecConfig(k, dm, fd)))
         same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
@@ -69,6 +83,47 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
             bad.append(("jump-forward", k))
         assert got.stats.proposed == got.stats.forced > 0
     assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
+
+
+@pytest.mark.parametrize("case,mode", MATRIX, ids=[f"{c.name}-{m}" for c, m in MATRIX])
+def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
+    """The shipped draft: {k 2, 8} x {masking on, off} x {forced on, off}, plus lookup on and
+    the serving defaults (lookup, confidence-gated drafting), each equal to plain decoding."""
+    e = distilled_engine
+    ids = short_prompt(e, case)
+    c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
+    p = MODES[mode]
+    want = e.generate(e.prepare(ids, constraint=c, sampling=p, max_tokens=MAX_TOKENS, spec=None))
+    bad = []
+    cells = [SpecConfig(k, dm, fd) for k, dm, fd in CELLS]
+    cells += [SpecConfig(4, lookup=True), SpecConfig(4, lookup=True, draft_min_prob=0.3)]
+    for spec in cells:
+        got = e.generate(e.prepare(ids, constraint=c, sampling=p, max_tokens=MAX_TOKENS,
+                                   spec=spec))
+        same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        tally.record("embedded: spec (distilled draft) vs plain", same)
+        tally.record_cuts(spec.draft_masking, got.stats.grammar_cuts)
+        tally.record_sources(f"embedded {mode}, distilled draft", got.stats)
+        if not same or (spec.draft_masking and got.stats.grammar_cuts):
+            bad.append((spec, got.stats.grammar_cuts))
+    assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
+
+
+@pytest.mark.parametrize("draft_name", ["distilled", "none"])
+def test_extraction_with_prompt_lookup_equals_plain(distilled_engine, jf_engine, draft_name):
+    """Copying spans of the prompt: lookup proposals are accepted, output unchanged."""
+    e = distilled_engine if draft_name == "distilled" else jf_engine
+    case = EXTRACTION[0]
+    ids = e.chat_prompt(case.messages(), constrained=True)
+    c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
+    want = e.generate(e.prepare(ids, constraint=c, max_tokens=48, spec=None))
+    got = e.generate(e.prepare(ids, constraint=c, max_tokens=48,
+                               spec=SpecConfig(4, lookup=True)))
+    same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+    tally.record("embedded: extraction, lookup on vs plain", same)
+    tally.record_sources(f"embedded extraction, {draft_name} draft", got.stats)
+    assert same
+    assert got.stats.looked_up_accepted > 0
 
 
 @pytest.mark.skipif(blas.openblas_path() is None,

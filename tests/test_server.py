@@ -23,7 +23,8 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(embedded):  # `embedded` converts the model once before servers start
-    s = Server("--draft-model", "self", "--num-draft-tokens", "4", "--api-key", KEY)
+    # The defaults: the shipped distilled draft, prompt lookup on.
+    s = Server("--num-draft-tokens", "4", "--api-key", KEY)
     yield s
     s.stop()
 
@@ -113,7 +114,21 @@ def test_streaming_and_plain_and_speculative_give_identical_text(client):
     assert chat_text(client, False, extra_body={"num_draft_tokens": 0}) == base
     assert chat_text(client, True, extra_body={"num_draft_tokens": 2,
                                                "draft_masking": False}) == base
+    assert chat_text(client, False, extra_body={"prompt_lookup": False}) == base
     json.loads(base[0])
+
+
+def test_default_server_drafts_with_the_distilled_model_and_looks_up(server):
+    text = ("Copy exactly: the reference code is ZX-4471-QUOKKA-88 and the backup code is "
+            "ZX-4471-QUOKKA-89.")
+    body = {"model": "default", "messages": [{"role": "user", "content": text}],
+            "max_tokens": 40, "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    ext = r.json()["specdec"]
+    assert ext["k"] == 4 and ext["drafted"] > 0 and ext["drafted_accepted"] > 0
+    assert ext["looked_up"] > 0
 
 
 def test_sse_framing_ends_with_done_and_reports_usage(server):

@@ -196,15 +196,20 @@ MATRIX_CASES = [c for c in CASES if c.kind != "json_object"]
 CELLS = [(k, dm, fd) for k in KS for dm in (True, False) for fd in (True, False)]
 
 
+LOOKUP_CELLS = [(k, dm, fd) for k, dm, fd in CELLS if k in (2, 8)]
+
+
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
-@pytest.mark.parametrize("draft_name", ["self", "bad", "none"])
+@pytest.mark.parametrize("draft_name", ["self", "bad", "none", "none+lookup", "bad+lookup"])
 @pytest.mark.parametrize("case", MATRIX_CASES, ids=[c.name for c in MATRIX_CASES])
 def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_name, mode):
     """Every {k} x {draft masking} x {forced drafting} cell equals plain decoding and the
-    oracle token for token; cuts are 0 whenever draft masking is on."""
+    oracle token for token; cuts are 0 whenever draft masking is on. "+lookup": the serving
+    defaults on top (forced, then lookup, then the draft model, drafting ends below p=0.3)."""
     params = GREEDY if mode == "greedy" else SEEDED
     g = compiler.compile(Constraint(case.kind, case.value))  # type: ignore[arg-type]
-    draft = {"self": target, "bad": bad_draft, "none": None}[draft_name]
+    model_name, _, lookup = draft_name.partition("+")
+    draft = {"self": target, "bad": bad_draft, "none": None}[model_name]
     want = plain(target, prompt, g.matcher(), params, max_tokens=40)
     oracle = reference_decode(target, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
                               max_tokens=40, matcher=g.matcher(),
@@ -213,12 +218,14 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
     tally.record("tiny: plain vs oracle", report(oracle, want[0]) is None)
     assert report(oracle, want[0]) is None and want[1] == oracle.finish_reason
     failures, cuts_on = [], 0
-    for k, dm, fd in CELLS:
+    for k, dm, fd in (LOOKUP_CELLS if lookup else CELLS):
         got, st = spec_run(target, draft, prompt, g.matcher(), params, max_tokens=40,
-                           spec=SpecConfig(k, dm, fd))
+                           spec=SpecConfig(k, dm, fd, lookup=bool(lookup),
+                                           draft_min_prob=0.3 if lookup else 0.0))
         same = got == want
         tally.record(f"tiny: spec vs plain ({draft_name} draft)", same)
         tally.record_cuts(dm, st.grammar_cuts)
+        tally.record_sources(f"tiny {mode}, {draft_name} draft", st)
         if not same:
             failures.append((k, dm, fd))
         if dm:
