@@ -15,6 +15,7 @@ class Metrics:
             "requests_total": 0, "requests_constrained_total": 0, "request_errors_total": 0,
             "prompt_tokens_total": 0, "completion_tokens_total": 0,
             "draft_proposed_total": 0, "draft_accepted_total": 0, "draft_forced_total": 0,
+            "draft_looked_up_total": 0, "draft_model_total": 0, "draft_model_accepted_total": 0,
             "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
         }
 
