@@ -47,7 +47,8 @@ class SpecConfig:
     """Speculative decoding settings.
 
     Attributes:
-        k: most tokens proposed per round (1..16).
+        k: most draft-model tokens proposed per round (1..16); forced and looked-up tokens
+            may extend a round to `cheap_k` = min(2k, 16).
         draft_masking: mask the draft's logits with a matcher clone (proposals legal by
             construction). Off: the draft proposes unmasked and the backstop cuts.
         forced_drafting: propose grammar-forced tokens without running the draft model.
@@ -65,6 +66,11 @@ class SpecConfig:
     lookup: bool = False
     lookup_min_ngram: int = 2
     draft_min_prob: float = 0.0
+
+    @property
+    def cheap_k(self) -> int:
+        """Most proposals per round when they come free (forced) or from lookup."""
+        return min(2 * self.k, MAX_DRAFT_TOKENS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or not (1 <= self.k <= MAX_DRAFT_TOKENS):
@@ -185,7 +191,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
     emitted = 0
     while True:
         budget = max_tokens - emitted
-        kk = min(spec.k, budget - 1)
+        kk = budget - 1  # _draft applies k (and the longer limit for free proposals)
         stats.rounds += 1
         t0 = time.perf_counter()
         if index is not None:
@@ -279,6 +285,9 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
     sources: list[str] = []
     if kk <= 0:
         return props, sources, 0
+    # The draft model proposes up to k per round; forced and looked-up tokens (no draft step,
+    # and usually accepted) may run on to 2k, capped by the token budget.
+    k_model, kk = min(spec.k, kk), min(spec.cheap_k, kk)
     clone = None
     if matcher is not None and (spec.draft_masking or spec.forced_drafting or index):
         clone = matcher.deep_copy()
@@ -307,8 +316,8 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
             tok, src = forced, "forced"
         elif cand is not None and cand < draft_vocab:
             tok, src = cand, "looked_up"
-        elif draft is None:
-            break  # no model: stop at the first position nothing else can fill
+        elif draft is None or j >= k_model:
+            break  # no model (or its share is spent): stop at the first open position
         else:
             logits = draft(mx.array([feed], dtype=mx.int32), cache=d_cache)[0, -1]  # (Vd,)
             fed, feed = len(props), []
