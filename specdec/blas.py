@@ -60,7 +60,11 @@ def active() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    return "openblas" if "openblas" in maps else "reference"
+    # numpy's wheel bundles its own `libscipy_openblas`; only a system OpenBLAS serving the
+    # `libblas` interface (what the preload provides) counts for MLX.
+    paths = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    return "openblas" if any("openblas" in p and "scipy_openblas" not in p for p in paths) \
+        else "reference"
 
 
 def _preload_env(choice: BlasChoice) -> dict[str, str] | None:
