@@ -183,3 +183,13 @@ def test_restored_prompt_state_gives_identical_output(tiny, compiler, prompt):
                                matcher=g.matcher(), kv_store=store)) for _ in range(3)]
     assert store.hits == 2
     assert all(r == fresh for r in runs)  # the stored state is never mutated by a decode
+
+
+def test_suite_runs_on_the_reference_blas_despite_numpys_bundled_openblas():
+    # conftest re-execs without the OpenBLAS preload; numpy (imported here) maps its own
+    # libscipy_openblas, which must not be mistaken for MLX's BLAS.
+    import numpy  # noqa: F401
+
+    from specdec import blas
+
+    assert blas.active() == "reference"
