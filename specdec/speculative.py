@@ -87,7 +87,7 @@ class SpecStats(StepTimings):
 
     Attributes:
         rounds: draft/verify rounds.
-        proposed: tokens proposed (by the draft model or forced).
+        proposed: tokens proposed (forced, looked up or by the draft model).
         accepted: proposals equal to the target's pick.
         forced, looked_up, drafted: proposals by source (grammar-forced, prompt lookup,
             draft model); `*_accepted`: how many of each the target accepted.
@@ -111,11 +111,6 @@ class SpecStats(StepTimings):
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def draft_acceptance_rate(self) -> float:
-        """Acceptance of the draft model's own proposals (forced and looked-up excluded)."""
-        return self.drafted_accepted / self.drafted if self.drafted else 0.0
 
 
 def single_allowed(bitmask: np.ndarray) -> int | None:
@@ -327,11 +322,11 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
             if not params.greedy:
                 noise = mx.array(position_noise(seed, emitted + j, draft_vocab))
             choice = pick(logits, params, noise)
-            if spec.draft_min_prob > 0:
+            if spec.draft_min_prob > 0:  # the pick's own probability, in the same sync
                 scale = 1.0 if params.greedy else params.temperature
-                probs = mx.softmax(logits / scale, axis=-1)
-                tok = int(choice.item())
-                if float(probs[tok].item()) < spec.draft_min_prob:
+                p_pick = mx.softmax(logits / scale, axis=-1)[choice]
+                mx.eval(choice, p_pick)
+                if p_pick.item() < spec.draft_min_prob:
                     break  # unlikely to be accepted: verify what we have
             tok, src = int(choice.item()), "drafted"
         props.append(tok)
