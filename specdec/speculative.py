@@ -7,10 +7,15 @@ Each round:
    are proposed ("jump-forward": a run of forced tokens costs one target forward). The draft
    picks with the same (seed, position) noise as the target, so under sampling it agrees as
    often as it can.
-2. Backstop: `validate_tokens` on the real matcher truncates the proposals at the first token
-   the grammar rejects (a "grammar cut"; never happens with draft masking on).
-3. Verify: the target scores [last token, proposals...] in one forward pass; the k+1 masks
-   come from the real matcher (advance, fill, then roll back) and are applied in one call.
+2. Backstop and verify masks, in one pass over a clone: a `deep_copy` of the request's
+   matcher is advanced through the proposals, filling the mask row of each verify position;
+   the first proposal its row forbids ends the round's proposals (a "grammar cut"; never
+   happens with draft masking on). The request's own matcher only ever consumes accepted
+   tokens: it is never advanced speculatively and never rolled back (llguidance's `rollback`
+   can leave a state that consumes differently until a mask is computed on it; see
+   tests/test_llguidance_rollback.py).
+3. Verify: the target scores [last token, proposals...] in one forward pass under those
+   k+1 masks, applied in one call.
 4. Accept: proposal j is accepted iff it equals the target's own pick at that position (same
    mask, same noise as plain decoding), so the output equals plain decoding's token for
    token. The first mismatch yields the target's pick (the bonus token).
@@ -167,7 +172,6 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
     stats = stats if stats is not None else SpecStats()
     eos = set(eos_token_ids)
     seed = params.seed or 0
-    words = (vocab_size + 31) // 32
     t_cache = make_prompt_cache(target)
     d_cache = make_prompt_cache(draft) if draft is not None else []
     seq = list(prompt)
@@ -197,19 +201,15 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
         stats.proposed += len(props)
 
         t0 = time.perf_counter()
-        if matcher is not None and props:
-            body = props[:-1] if props[-1] in eos else props
-            n_ok = matcher.validate_tokens(body) if body else 0
-            if n_ok < len(body):
-                stats.grammar_cuts += 1
-                props, sources = props[:n_ok], sources[:n_ok]
         bitmask = None
         if matcher is not None:
-            # Rows never filled (after a proposed EOS) stay all-banned: fail closed.
-            bitmask = np.zeros((len(props) + 1, words), dtype=np.int32)
             tm = time.perf_counter()
-            _verify_masks(matcher, props, bitmask, eos)
+            bitmask, n_ok = verify_masks(matcher, props, eos, vocab_size)
             stats.mask_s += time.perf_counter() - tm
+            if n_ok < len(props):
+                stats.grammar_cuts += 1
+                props, sources = props[:n_ok], sources[:n_ok]
+                bitmask = bitmask[:n_ok + 1]
         logits = target(mx.array([[seq[-1], *props]], dtype=mx.int32), cache=t_cache)[0]
         if bitmask is not None:  # (m+1, V)
             logits = apply_mask(logits, unpack_bitmask(mx.array(bitmask), vocab_size))
@@ -302,8 +302,7 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
                 forced = single_allowed(row[0])
         if forced is None and cursor is not None:
             cand = cursor.next(tail)
-            if cand is not None and clone is not None and cand < vocab_size and not (
-                    int(row[0, cand >> 5]) >> (cand & 31)) & 1:
+            if cand is not None and clone is not None and not mask_allows(row[0], cand):
                 cand = None  # the grammar forbids it here: not a proposal
         if forced is not None:
             if forced >= draft_vocab:
@@ -345,22 +344,39 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
     return props, sources, fed
 
 
-def _verify_masks(matcher: LLMatcher, props: list[TokenId], bitmask: np.ndarray,
-                  eos: set[int]) -> None:
-    """Fill mask rows for every verify position by advancing the real matcher through the
-    proposals, then roll it back (in `finally`, so an exception leaves it as it was)."""
-    advanced = 0
-    try:
-        for j in range(len(props) + 1):
-            if j > 0 and props[j - 1] in eos:
-                break  # nothing follows EOS; that row is never used
-            llnp.fill_next_token_bitmask(matcher, bitmask, j)
-            if matcher.is_error():
-                raise GrammarStateError(f"grammar error while verifying: {matcher.get_error()}")
-            if j < len(props) and props[j] not in eos:
-                if not matcher.consume_token(props[j]):
-                    raise GrammarStateError("backstop let an illegal proposal through")
-                advanced += 1
-    finally:
-        if advanced:
-            matcher.rollback(advanced)
+def mask_allows(row: np.ndarray, token: TokenId) -> bool:
+    """Whether a packed mask row allows `token`."""
+    return token >> 5 < row.shape[0] and bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vocab_size: int
+                 ) -> tuple[np.ndarray, int]:
+    """Mask rows for every verify position, and how many proposals the grammar allows.
+
+    Looks ahead on a `deep_copy` of the request's matcher (~2 µs), advanced through the
+    proposals: row j is the mask after props[:j]. The first proposal its row forbids ends the
+    look-ahead (the backstop). The request's matcher is left untouched.
+
+    Returns:
+        (bitmask (len(props)+1, words) int32, n_ok): rows past n_ok and the row after a
+        proposed EOS stay all-banned (fail closed); they are never used.
+    Raises:
+        GrammarStateError: the matcher is in (or enters) an error state.
+    """
+    bitmask = np.zeros((len(props) + 1, (vocab_size + 31) // 32), dtype=np.int32)
+    look = matcher.deep_copy()
+    for j in range(len(props) + 1):
+        llnp.fill_next_token_bitmask(look, bitmask, j)
+        if look.is_error():
+            raise GrammarStateError(f"grammar error while verifying: {look.get_error()}")
+        if j == len(props):
+            break
+        t = props[j]
+        if not mask_allows(bitmask[j], t):
+            return bitmask, j
+        if t in eos:
+            return bitmask, j + 1  # nothing follows EOS
+        if not look.consume_token(t):
+            raise GrammarStateError(f"the grammar rejected token {t} its own mask allowed: "
+                                    f"{look.get_error()}")
+    return bitmask, len(props)
