@@ -213,7 +213,8 @@ def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
 
 def _error_of(e: Exception) -> APIError:
     if isinstance(e, GrammarStateError):
-        return APIError(500, str(e), type="server_error", code="grammar_state")
+        return APIError(500, f"internal error: {e}; no output past that point was emitted",
+                        type="server_error", code="grammar_state")
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 

@@ -7,14 +7,18 @@ between tokens.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.decode import GrammarStateError
 from specdec.engine import Engine, Request
 from specdec.speculative import SpecStats
+
+log = logging.getLogger("specdec.server")
 
 
 @dataclass
@@ -60,7 +64,14 @@ class EngineWorker:
                 continue
             try:
                 self._run(job)
+            except GrammarStateError as e:  # an internal fault: keep what locates it
+                g = job.request.grammar
+                log.error("grammar state error at output token %s: %s\nconstraint: %s\n"
+                          "grammar: %s", e.position, e.detail or e,
+                          job.request.constraint, g.text if g else None)
+                job.post("error", e)
             except Exception as e:  # travels to the handler, never kills the worker
+                log.exception("generation failed")
                 job.post("error", e)
 
     def _run(self, job: Job) -> None:

@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     except BlasError as e:
         print(f"specdec: {e}", file=sys.stderr)
         return 2
+    from .decode import GrammarStateError
     from .grammar import GrammarError
     from .models import ModelNotFoundError
 
@@ -239,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                 "distill": cmd_distill}
     try:
         return handlers[args.cmd](args)
+    except GrammarStateError as e:
+        # An internal fault, not bad input: one line, nothing past the error printed.
+        print(f"specdec: internal error: {e}; no output past that point was emitted",
+              file=sys.stderr)
+        return 1
     except (GrammarError, ModelNotFoundError, ValueError, OSError) as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

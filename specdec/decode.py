@@ -28,7 +28,23 @@ PREFILL_CHUNK = 512
 
 
 class GrammarStateError(RuntimeError):
-    """The request's matcher entered an error state; decoding stops (fail closed)."""
+    """The request's matcher entered an error state mid-generation; decoding stops (fail
+    closed). An internal fault, not bad input: the grammar compiled and every token fed to it
+    was allowed by its own mask.
+
+    `str(e)` is one line; llguidance's full report (parser state, grammar) is in `detail`.
+
+    Attributes:
+        position: output tokens emitted before the failing one (None when not known).
+        detail: llguidance's error text, multi-line.
+    """
+
+    def __init__(self, reason: str, *, position: int | None = None, detail: str = "") -> None:
+        where = f" at output token {position}" if position is not None else ""
+        first = detail.strip().splitlines()[0] if detail.strip() else ""
+        super().__init__(f"{reason}{where}" + (f": {first}" if first else ""))
+        self.position = position
+        self.detail = detail
 
 
 @dataclass
@@ -98,10 +114,15 @@ def _copy_state(state: tuple) -> tuple:
     return tuple(mx.array(a) if isinstance(a, mx.array) else a for a in state)
 
 
-def check_matcher(matcher: LLMatcher) -> None:
-    """Raise GrammarStateError when the matcher has entered its error state."""
+def check_matcher(matcher: LLMatcher, position: int | None = None) -> None:
+    """Raise GrammarStateError when the matcher has entered its error state.
+
+    Args:
+        position: output tokens emitted so far (reported in the error).
+    """
     if matcher.is_error():
-        raise GrammarStateError(f"grammar entered an error state: {matcher.get_error()}")
+        raise GrammarStateError("grammar entered an error state", position=position,
+                                detail=matcher.get_error())
 
 
 def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int,
@@ -149,7 +170,7 @@ def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int
             t0 = time.perf_counter()
             llnp.fill_next_token_bitmask(matcher, bitmask, 0)
             timings.mask_s += time.perf_counter() - t0
-            check_matcher(matcher)
+            check_matcher(matcher, i)
             x = apply_mask(logits, unpack_bitmask(mx.array(bitmask[0]), vocab_size))
         noise = None if params.greedy else mx.array(position_noise(params.seed or 0, i, vocab_size))
         tok = pick(x, params, noise)
@@ -163,7 +184,7 @@ def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int
         timings.steps += 1
         if matcher is not None:
             matcher.consume_token(t)
-            check_matcher(matcher)
+            check_matcher(matcher, i)
         if t in eos:
             return "stop"
         yield t

@@ -185,7 +185,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
         mx.eval([c.state for c in t_cache + d_cache])
     stats.prefill_s += time.perf_counter() - t0
     if matcher is not None:
-        check_matcher(matcher)
+        check_matcher(matcher, 0)
     index = NgramIndex(seq) if spec.lookup else None
     emitted = 0
     while True:
@@ -204,7 +204,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
         bitmask = None
         if matcher is not None:
             tm = time.perf_counter()
-            bitmask, n_ok = verify_masks(matcher, props, eos, vocab_size)
+            bitmask, n_ok = verify_masks(matcher, props, eos, vocab_size, emitted)
             stats.mask_s += time.perf_counter() - tm
             if n_ok < len(props):
                 stats.grammar_cuts += 1
@@ -239,7 +239,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
         for t in out:
             if matcher is not None:
                 matcher.consume_token(t)
-                check_matcher(matcher)
+                check_matcher(matcher, emitted)
             if t in eos:
                 finish = "stop"
                 break
@@ -321,12 +321,18 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
             if not params.greedy:
                 noise = mx.array(position_noise(seed, emitted + j, draft_vocab))
             choice = pick(logits, params, noise)
-            if spec.draft_min_prob > 0:  # the pick's own probability, in the same sync
-                scale = 1.0 if params.greedy else params.temperature
-                p_pick = mx.softmax(logits / scale, axis=-1)[choice]
-                mx.eval(choice, p_pick)
-                if p_pick.item() < spec.draft_min_prob:
-                    break  # unlikely to be accepted: verify what we have
+            # In one sync: the pick's logit (-inf: every legal token is outside what the
+            # draft can propose, e.g. a pruned draft vocabulary; the target decides) and,
+            # when gated, the pick's own probability.
+            scale = 1.0 if params.greedy else params.temperature
+            p_pick = (mx.softmax(logits / scale, axis=-1)[choice] if spec.draft_min_prob > 0
+                      else mx.array(1.0))
+            picked = logits[choice]
+            mx.eval(choice, picked, p_pick)
+            if picked.item() == -np.inf:
+                break
+            if p_pick.item() < spec.draft_min_prob:
+                break  # unlikely to be accepted: verify what we have
             tok, src = int(choice.item()), "drafted"
         props.append(tok)
         sources.append(src)
@@ -349,8 +355,8 @@ def mask_allows(row: np.ndarray, token: TokenId) -> bool:
     return token >> 5 < row.shape[0] and bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
-def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vocab_size: int
-                 ) -> tuple[np.ndarray, int]:
+def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vocab_size: int,
+                 position: int | None = None) -> tuple[np.ndarray, int]:
     """Mask rows for every verify position, and how many proposals the grammar allows.
 
     Looks ahead on a `deep_copy` of the request's matcher (~2 µs), advanced through the
@@ -360,6 +366,8 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
     Returns:
         (bitmask (len(props)+1, words) int32, n_ok): rows past n_ok and the row after a
         proposed EOS stay all-banned (fail closed); they are never used.
+    Args:
+        position: output tokens emitted before this round (reported in errors).
     Raises:
         GrammarStateError: the matcher is in (or enters) an error state.
     """
@@ -368,7 +376,8 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
     for j in range(len(props) + 1):
         llnp.fill_next_token_bitmask(look, bitmask, j)
         if look.is_error():
-            raise GrammarStateError(f"grammar error while verifying: {look.get_error()}")
+            raise GrammarStateError("grammar error while verifying", detail=look.get_error(),
+                                    position=None if position is None else position + j)
         if j == len(props):
             break
         t = props[j]
@@ -377,6 +386,7 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
         if t in eos:
             return bitmask, j + 1  # nothing follows EOS
         if not look.consume_token(t):
-            raise GrammarStateError(f"the grammar rejected token {t} its own mask allowed: "
-                                    f"{look.get_error()}")
+            raise GrammarStateError(f"the grammar rejected token {t} its own mask allowed",
+                                    detail=look.get_error(),
+                                    position=None if position is None else position + j)
     return bitmask, len(props)

@@ -25,6 +25,22 @@ def engine(embedded):
 
 
 @pytest.fixture(scope="session")
+def distilled(embedded):
+    """The draft distilled for the embedded model, shipped in the package."""
+    import specdec
+
+    return specdec.load("default-draft")
+
+
+@pytest.fixture(scope="session")
+def engines(embedded, distilled):
+    """Engines over the embedded model by draft kind: "distilled", "self", "none"."""
+    from tests.exactness import make_engines
+
+    return make_engines(embedded, distilled)
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(embedded):
     return embedded.tokenizer
 
@@ -70,3 +86,5 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"grammar cuts, {name}: {cuts}")
         for name, (acc, prop) in sorted(tally.SOURCES.items()):
             terminalreporter.write_line(f"proposals accepted, {name}: {acc}/{prop}")
+        for line in tally.NOTES:
+            terminalreporter.write_line(line)

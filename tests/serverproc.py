@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -19,27 +20,43 @@ def free_port() -> int:
 
 
 class Server:
-    """Start `specdec serve ARGS...` and wait for /health; `stop()` ends it."""
+    """Start `specdec serve ARGS...` and wait for /health; `stop()` ends it.
 
-    def __init__(self, *args: str) -> None:
+    Args:
+        env: variables to set for the server (e.g. SPECDEC_BLAS=reference).
+        launcher: the command before `serve` (default: `python -m specdec`).
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra = env or {}
         env = dict(os.environ)
         env.pop("SPECDEC_BLAS_REEXEC", None)
         env.pop("SPECDEC_BLAS", None)  # the server picks the fast BLAS itself
+        env.update(extra)
+        launcher = launcher or [sys.executable, "-m", "specdec"]
+        # The log goes to a file: a pipe nobody reads would block the server once full.
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="specdec-serve-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec", "serve", "--port", str(self.port), *args],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [*launcher, "serve", "--port", str(self.port), *args],
+            env=env, stdout=subprocess.DEVNULL, stderr=self._log, text=True)
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"server exited: {self.log()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.3)
         raise RuntimeError("server did not come up")
+
+    def log(self) -> str:
+        """What the server has logged so far."""
+        with open(self._log.name) as f:
+            return f.read()
 
     def client(self, key: str = "unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
@@ -51,3 +68,4 @@ class Server:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self._log.close()

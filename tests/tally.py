@@ -28,3 +28,6 @@ def record_sources(name: str, stats) -> None:
         if getattr(stats, src):
             SOURCES[f"{name}, {src}"][0] += getattr(stats, src + "_accepted")
             SOURCES[f"{name}, {src}"][1] += getattr(stats, src)
+
+
+NOTES: list[str] = []  # lines for the summary (e.g. the corpus seed)

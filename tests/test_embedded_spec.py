@@ -32,11 +32,6 @@ SELF_CELLS = [(k, dm, True) for k in (2, 8) for dm in (True, False)]
 
 
 @pytest.fixture(scope="module")
-def distilled(embedded):
-    return specdec.load("default-draft")
-
-
-@pytest.fixture(scope="module")
 def distilled_engine(embedded, distilled):
     return Engine(embedded, distilled, SpecConfig(k=4))
 

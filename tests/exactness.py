@@ -1,0 +1,97 @@
+"""Proposer cells against plain decoding on the embedded model: the shared runner of the
+real-world corpus (test_corpus.py) and the GeoJSON regression (test_repro.py).
+
+A cell is one proposer combination: which draft (the shipped distilled draft, the target as
+its own draft, or none: grammar-forced tokens and prompt lookup only) and a SpecConfig. On
+the reference BLAS (this suite's configuration) every cell must emit exactly plain
+decoding's tokens and finish reason, and never raise a grammar error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.decode import GrammarStateError
+from specdec.engine import Engine, GenerationResult
+from specdec.grammar import Constraint
+from specdec.sampling import SamplingParams
+from specdec.speculative import SpecConfig
+from tests import tally
+
+MODES = {"greedy": SamplingParams(), "seeded": SamplingParams(0.8, top_k=40, seed=11)}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One proposer combination. `draft`: "distilled", "self" or "none"."""
+
+    draft: str
+    spec: SpecConfig
+
+    @property
+    def name(self) -> str:
+        s = self.spec
+        src = {"distilled": "distilled draft", "self": "self draft",
+               "none": "no draft"}[self.draft]
+        bits = [src, f"k{s.k}", "masked" if s.draft_masking else "unmasked",
+                "forced" if s.forced_drafting else "no-forced",
+                "lookup" if s.lookup else "no-lookup",
+                f"gated {s.draft_min_prob:g}" if s.draft_min_prob else "ungated"]
+        return " ".join(bits)
+
+
+def make_engines(target, distilled) -> dict[str, Engine]:
+    """One engine per draft kind, sharing the compiler and the prompt-KV store (the same
+    target: a prompt prefilled for one cell is reused by the next)."""
+    engines = {"distilled": Engine(target, distilled), "self": Engine(target, target),
+               "none": Engine(target, None)}
+    first = engines["distilled"]
+    for e in engines.values():
+        e.compiler, e.kv_store = first.compiler, first.kv_store
+    return engines
+
+
+_PLAIN: dict[tuple, GenerationResult] = {}
+
+
+def plain(engine: Engine, ids: list[int], constraint: Constraint, sampling: SamplingParams,
+          max_tokens: int) -> GenerationResult:
+    """Plain decoding of a request, memoised for the session (tests compare several fast
+    paths with the same plain run)."""
+    key = (id(engine.target), tuple(ids), repr(constraint), sampling, max_tokens)
+    if key not in _PLAIN:
+        _PLAIN[key] = engine.generate(engine.prepare(ids, constraint=constraint,
+                                                     sampling=sampling,
+                                                     max_tokens=max_tokens, spec=None))
+    return _PLAIN[key]
+
+
+def run_cells(engines: dict[str, Engine], ids: list[int], constraint: Constraint,
+              sampling: SamplingParams, max_tokens: int, cells: list[Cell], label: str
+              ) -> list[str]:
+    """Decode plainly, then each cell; return a description of every cell that differs,
+    cuts with masking on, or raises a grammar error (counted in the summary under `label`)."""
+    want = plain(engines["none"], ids, constraint, sampling, max_tokens)
+    bad = []
+    for cell in cells:
+        e = engines[cell.draft]
+        try:
+            got = e.generate(e.prepare(ids, constraint=constraint, sampling=sampling,
+                                       max_tokens=max_tokens, spec=cell.spec))
+        except GrammarStateError as err:
+            tally.record(f"{label}: grammar errors (0 expected)", False)
+            bad.append(f"{cell.name}: grammar error {err}")
+            continue
+        same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        tally.record(label, same)
+        tally.record_cuts(cell.spec.draft_masking, got.stats.grammar_cuts)
+        tally.record_sources(label, got.stats)
+        if not same:
+            n = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens)) if a != b),
+                     min(len(got.tokens), len(want.tokens)))
+            bad.append(f"{cell.name}: differs from plain at output token {n} "
+                       f"(plain {want.text!r}, got {got.text!r})")
+        elif cell.spec.draft_masking and got.stats.grammar_cuts:
+            bad.append(f"{cell.name}: {got.stats.grammar_cuts} grammar cuts with masking on")
+    return bad
+
