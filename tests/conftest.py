@@ -75,6 +75,23 @@ def pytest_report_header(config):
     return [f"specdec: BLAS {blas.active()} (SPECDEC_BLAS={wanted})"]
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the counts to the controller
+        from tests import tally
+
+        workeroutput["specdec_tally"] = tally.export()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from tests import tally
+
+    data = getattr(node, "workeroutput", {}).get("specdec_tally")
+    if data:
+        tally.merge(data)
+
+
 def pytest_terminal_summary(terminalreporter):
     from tests import tally
 

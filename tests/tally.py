@@ -1,7 +1,9 @@
-"""Exactness cells counted during the run, printed at the end (see conftest)."""
+"""Exactness cells counted during the run, printed at the end (see conftest). Under
+pytest-xdist each worker exports its counts and the controller merges them."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 CELLS: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [identical, total]
@@ -31,3 +33,22 @@ def record_sources(name: str, stats) -> None:
 
 
 NOTES: list[str] = []  # lines for the summary (e.g. the corpus seed)
+
+
+def export() -> str:
+    """This process's counts, as JSON (a worker's share of the summary)."""
+    return json.dumps({"cells": CELLS, "cuts": CUTS, "sources": SOURCES, "notes": NOTES})
+
+
+def merge(data: str) -> None:
+    """Add a worker's exported counts to this process's."""
+    d = json.loads(data)
+    for name, (same, total) in d["cells"].items():
+        CELLS[name][0] += same
+        CELLS[name][1] += total
+    for name, cuts in d["cuts"].items():
+        CUTS[name] = CUTS.get(name, 0) + cuts
+    for name, (acc, prop) in d["sources"].items():
+        SOURCES[name][0] += acc
+        SOURCES[name][1] += prop
+    NOTES.extend(n for n in d["notes"] if n not in NOTES)

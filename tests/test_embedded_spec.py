@@ -47,11 +47,14 @@ def jf_engine(embedded):
     return Engine(embedded, None, SpecConfig(k=4))
 
 
-MATRIX = [(c, m) for c in SHORT_CASES for m in sorted(MODES)
-          if c.name == "flat" or m == "greedy"]  # the full matrix runs on tiny models
+# The full matrix runs on tiny models; proposer cells over 37 real-world schemas run in
+# test_corpus.py, so the hand-made cases here keep one schema.
+MATRIX = [(c, m) for c in SHORT_CASES for m in sorted(MODES) if c.name == "flat"]
+SELF_MATRIX = [(c, m) for c, m in MATRIX if m == "greedy"]
 
 
-@pytest.mark.parametrize("case,mode", MATRIX, ids=[f"{c.name}-{m}" for c, m in MATRIX])
+@pytest.mark.parametrize("case,mode", SELF_MATRIX,
+                         ids=[f"{c.name}-{m}" for c, m in SELF_MATRIX])
 def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
     ids = short_prompt(spec_engine, case)
     c = Constraint(case.kind, case.value)  # type: ignore[arg-type]

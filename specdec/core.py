@@ -1,0 +1,308 @@
+"""The round-based decode core: per-request state objects stepped together in rounds.
+
+A round over a set of requests:
+1. Propose, per request: grammar-forced tokens, prompt lookup, the draft model (the
+   proposers of `speculative._draft`); a plain request (`spec is None`) proposes nothing.
+2. Verify: one target forward over every request's rows ([last token, proposals...];
+   ragged: each request its own length, its own KV cache; `ragged.forward`), queued
+   asynchronously while the host fills every request's mask rows on a matcher copy
+   (`speculative.verify_masks`: backstop included).
+3. Pick: each request's rows masked and picked with its own sampling parameters and
+   (seed, position) noise; one device sync for the whole round.
+4. Accept, per request: the agreeing prefix of its proposals and the target's own next pick;
+   the request's matcher consumes them; caches are trimmed to the accepted length.
+
+Plain decoding is the round with no proposer, so a request decoded alone, plainly,
+speculatively or inside any batch emits the same tokens: every path computes each output
+position's logits over the same cache with the same shapes (bitwise on the reference BLAS,
+see `ragged`), masks them with the same grammar state and picks with the same noise.
+New requests join between rounds; their prompt is prefilled in chunks (`prefill_chunk`), so
+running requests stall for at most one chunk per round. No I/O, no threads: `scheduler.py`
+drives rounds for the server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from llguidance import LLMatcher
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import ragged
+from .decode import FinishReason, GrammarStateError, PromptKVCache, TokenId, check_matcher
+from .lookup import NgramIndex
+from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
+from .speculative import SpecConfig, SpecStats, _draft, _trim, verify_masks
+
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class Models:
+    """The target (and draft) a set of requests decodes with.
+
+    Attributes:
+        target: mlx-lm model; vocab_size: its logits width V.
+        draft: a model with the target's token ids (may be the target), or None.
+        draft_vocab_size: the draft's logits width (<= V).
+    """
+
+    target: nn.Module
+    vocab_size: int
+    draft: nn.Module | None = None
+    draft_vocab_size: int = 0
+
+
+@dataclass(eq=False)
+class DecodeState:
+    """One request in flight: everything a round needs, nothing in generator locals.
+
+    Invariant between rounds (once prefilled): the target cache holds `seq[:-1]`; the draft
+    cache a prefix of `seq`.
+
+    Attributes:
+        seq: prompt + emitted tokens; emitted: how many were emitted.
+        new_tokens: what the last round emitted (the caller drains it).
+        finish: set when the request is done ("stop" or "length"); error: the
+            GrammarStateError that ended it (nothing past it is emitted).
+    """
+
+    prompt: tuple[TokenId, ...]
+    max_tokens: int
+    eos: frozenset[int]
+    params: SamplingParams = SamplingParams()
+    spec: SpecConfig | None = None
+    matcher: LLMatcher | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    t_cache: list = field(default_factory=list)
+    d_cache: list = field(default_factory=list)
+    seq: list[TokenId] = field(default_factory=list)
+    emitted: int = 0
+    index: NgramIndex | None = None
+    to_prefill: int = 0
+    new_tokens: list[TokenId] = field(default_factory=list)
+    finish: FinishReason | None = None
+    error: GrammarStateError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.error is not None
+
+    @property
+    def ready(self) -> bool:
+        """Prefilled: it can take part in rounds."""
+        return self.to_prefill == 0 and not self.done
+
+
+def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
+              eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
+              spec: SpecConfig | None = None, matcher: LLMatcher | None = None,
+              stats: SpecStats | None = None) -> DecodeState:
+    """A request's state with empty caches (prefill with `prefill` or `prefill_chunk`).
+
+    Raises:
+        ValueError: empty prompt, max_tokens < 1, sampling without a seed, a draft vocabulary
+            wider than the target's.
+        GrammarStateError: the matcher is already in an error state.
+    """
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+    if not params.greedy and params.seed is None:
+        raise ValueError("sampling (temperature > 0) needs a seed")
+    if models.draft is not None and models.draft_vocab_size > models.vocab_size:
+        raise ValueError(f"draft vocabulary {models.draft_vocab_size} exceeds the target's "
+                         f"{models.vocab_size}")
+    if matcher is not None:
+        check_matcher(matcher, 0)
+    use_draft = spec is not None and models.draft is not None
+    s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
+                    stats if stats is not None else SpecStats(),
+                    make_prompt_cache(models.target),
+                    make_prompt_cache(models.draft) if use_draft else [], list(prompt))
+    s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
+    if spec is not None and spec.lookup:
+        s.index = NgramIndex(s.seq)
+    return s
+
+
+def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = None) -> None:
+    """Prefill a state's whole prompt now (reusing a stored prompt state when there is one)."""
+    if s.to_prefill == 0:
+        return
+    t0 = time.perf_counter()
+    head = list(s.prompt[:-1])
+    fill = kv_store.prefill if kv_store is not None else _prefill_plain
+    fill(models.target, head, s.t_cache)
+    if s.d_cache:
+        fill(models.draft, head, s.d_cache)
+    mx.eval([c.state for c in s.t_cache + s.d_cache])
+    s.to_prefill = 0
+    s.stats.prefill_s += time.perf_counter() - t0
+
+
+def _prefill_plain(model: nn.Module, tokens: list[TokenId], cache: list) -> None:
+    for at in range(0, len(tokens), PREFILL_CHUNK):
+        model(mx.array([tokens[at:at + PREFILL_CHUNK]], dtype=mx.int32), cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def prefill_chunk(models: Models, s: DecodeState, chunk: int = PREFILL_CHUNK,
+                  kv_store: PromptKVCache | None = None) -> None:
+    """Advance a state's prefill by at most `chunk` tokens (a stored prompt: all at once)."""
+    if s.to_prefill == 0:
+        return
+    t0 = time.perf_counter()
+    head = list(s.prompt[:-1])
+    at = len(head) - s.to_prefill
+    if at == 0 and kv_store is not None and kv_store.restore(models.target, head, s.t_cache) \
+            and (not s.d_cache or kv_store.restore(models.draft, head, s.d_cache)):
+        s.to_prefill = 0
+    else:
+        part = head[at:at + chunk]
+        models.target(mx.array([part], dtype=mx.int32), cache=s.t_cache)
+        if s.d_cache:
+            models.draft(mx.array([part], dtype=mx.int32), cache=s.d_cache)
+        mx.eval([c.state for c in s.t_cache + s.d_cache])
+        s.to_prefill -= len(part)
+        if s.to_prefill == 0 and kv_store is not None:
+            kv_store.store(models.target, head, s.t_cache)
+            if s.d_cache:
+                kv_store.store(models.draft, head, s.d_cache)
+    s.stats.prefill_s += time.perf_counter() - t0
+
+
+def run_round(models: Models, states: Sequence[DecodeState]) -> None:
+    """One round over every ready state (see the module docstring). A request's grammar
+    error ends that request only (`state.error`); the others carry on."""
+    live = [s for s in states if s.ready]
+    if not live:
+        return
+    for s in live:
+        s.new_tokens = []
+        s.stats.rounds += 1
+    # 1. Propose.
+    props: list[list[TokenId]] = []
+    sources: list[list[str]] = []
+    feds: list[int] = []
+    for s in live:
+        p, src, fed = _propose(models, s)
+        props.append(p)
+        sources.append(src)
+        feds.append(fed)
+    # 2. Verify forward, queued; the host fills the mask rows meanwhile.
+    t0 = time.perf_counter()
+    segments = [([s.seq[-1], *p], s.t_cache) for s, p in zip(live, props)]
+    logits = ragged.forward(models.target, segments)  # each (m_i+1, V)
+    mx.async_eval([x for x in logits if x is not None])
+    masks: list[np.ndarray | None] = []
+    for i, s in enumerate(live):
+        masks.append(None)
+        if s.matcher is None:
+            continue
+        tm = time.perf_counter()
+        try:
+            bitmask, n_ok = verify_masks(s.matcher, props[i], s.eos, models.vocab_size,
+                                         s.emitted)
+        except GrammarStateError as e:
+            s.error = e
+            continue
+        finally:
+            s.stats.mask_s += time.perf_counter() - tm
+        if n_ok < len(props[i]):
+            s.stats.grammar_cuts += 1
+            props[i], sources[i] = props[i][:n_ok], sources[i][:n_ok]
+            bitmask = bitmask[:n_ok + 1]
+        masks[i] = bitmask
+    # 3. Pick: every request's rows under its own mask, parameters and noise; one sync.
+    picks: list[mx.array | None] = []
+    for i, s in enumerate(live):
+        if s.error is not None:
+            picks.append(None)
+            continue
+        x = logits[i][:len(props[i]) + 1]
+        if masks[i] is not None:
+            x = apply_mask(x, unpack_bitmask(mx.array(masks[i]), models.vocab_size))
+        noise = None
+        if not s.params.greedy:
+            noise = mx.array(np.stack([position_noise(s.params.seed or 0, s.emitted + j,
+                                                      models.vocab_size)
+                                       for j in range(len(props[i]) + 1)]))
+        picks.append(pick(x, s.params, noise))
+    tw = time.perf_counter()
+    mx.eval([p for p in picks if p is not None])
+    wait = time.perf_counter() - tw
+    verify_s = time.perf_counter() - t0
+    # 4. Accept and trim, per request.
+    for i, s in enumerate(live):
+        s.stats.wait_s += wait
+        s.stats.verify_s += verify_s
+        s.stats.steps += 1
+        if s.error is None:
+            _accept(s, props[i], sources[i], feds[i], picks[i].tolist())
+
+
+def _propose(models: Models, s: DecodeState) -> tuple[list[TokenId], list[str], int]:
+    if s.spec is None or s.max_tokens - s.emitted <= 1:
+        return [], [], 0
+    t0 = time.perf_counter()
+    if s.index is not None:
+        s.index.extend(s.seq[len(s.index.tokens):])
+    draft = models.draft if s.d_cache else None
+    p, src, fed = _draft(draft, s.d_cache, s.seq, s.max_tokens - s.emitted - 1, s.matcher,
+                         s.params, s.spec, s.stats, set(s.eos), models.vocab_size,
+                         models.draft_vocab_size if draft is not None else models.vocab_size,
+                         s.emitted, s.index)
+    s.stats.draft_s += time.perf_counter() - t0
+    s.stats.proposed += len(p)
+    return p, src, fed
+
+
+def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
+            picks: list[int]) -> None:
+    out: list[TokenId] = []
+    for j, p in enumerate(picks):
+        out.append(int(p))
+        if j < len(props) and p == props[j]:
+            s.stats.accepted += 1
+            continue
+        break
+    accepted = len(out) - 1  # the last one is the target's own (bonus) pick
+    for src in sources[:accepted]:
+        setattr(s.stats, src + "_accepted", getattr(s.stats, src + "_accepted") + 1)
+    n_emit = 0
+    for t in out:
+        if s.matcher is not None:
+            s.matcher.consume_token(t)
+            try:
+                check_matcher(s.matcher, s.emitted)
+            except GrammarStateError as e:
+                s.error = e
+                return
+        if t in s.eos:
+            s.finish = "stop"
+            return
+        s.seq.append(t)
+        s.new_tokens.append(t)
+        n_emit += 1
+        s.emitted += 1
+        if s.matcher is not None and s.matcher.is_stopped():
+            s.finish = "stop"
+            return
+        if s.emitted >= s.max_tokens:
+            s.finish = "length"
+            return
+    # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
+    _trim(s.t_cache, len(props) - accepted)
+    # Draft cache holds a prefix of old seq + props[:fed]; keep what still agrees.
+    if s.d_cache:
+        base = len(s.seq) - n_emit
+        d_len = s.d_cache[0].offset
+        keep = min(d_len, base + min(fed, accepted))
+        _trim(s.d_cache, d_len - keep)

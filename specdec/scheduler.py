@@ -1,0 +1,203 @@
+"""Continuous batching: one thread runs rounds (`core.run_round`) over every active request.
+
+Requests join and leave at round boundaries. Each round, at most one arriving request's
+prompt advances by one prefill chunk, so running requests stall for at most one chunk; then
+one round decodes every prefilled request together (one verify forward for all). Events go
+to each request's `sink` as one typed `Event` per text delta, then a final one.
+
+Error contract: a request whose setup or grammar fails gets an `Event` with `error` set and
+leaves; the loop and the other requests carry on. `submit` raises `QueueFull` when the
+waiting queue is at its bound (the server answers 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .core import DecodeState, prefill_chunk, run_round
+from .decode import FinishReason, TokenId
+from .speculative import SpecStats
+
+log = logging.getLogger("specdec.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue is at its bound; retry later."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request produced: a text delta (with the token ids behind it), or its end.
+
+    Attributes:
+        tokens: token ids emitted since the last event.
+        text: text delta (may be empty: held back for stop strings / partial UTF-8).
+        finish: set on the final event ("stop" or "length"), with `full_text` and `stats`.
+        error: set on a failed request's final event.
+    """
+
+    tokens: tuple[TokenId, ...] = ()
+    text: str = ""
+    finish: FinishReason | None = None
+    full_text: str = ""
+    stats: SpecStats | None = None
+    seconds: float = 0.0
+    error: Exception | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A submitted request: what the scheduler needs to run it and report back.
+
+    Attributes:
+        start: builds the request's `DecodeState` (run on the scheduler thread).
+        text: the request's text assembler (`engine.TextStream`).
+        sink: called with each `Event` (from the scheduler thread).
+        cancelled: set by the caller to stop the request within one round.
+    """
+
+    start: Callable[[], DecodeState]
+    text: Any
+    sink: Callable[[Event], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    state: DecodeState | None = None
+    t0: float = 0.0
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for /metrics (read from other threads; ints and floats only)."""
+
+    rounds: int = 0
+    round_s: float = 0.0
+    batch_rows_sum: int = 0
+    last_batch: int = 0
+    cancelled: int = 0
+
+
+class Scheduler:
+    """Runs submitted requests in rounds on one thread that owns the models.
+
+    Args:
+        models: the `core.Models` every request decodes with.
+        max_batch: most requests decoding at once.
+        max_queue: most requests waiting for a slot (then `submit` raises QueueFull).
+        chunk: prefill chunk (tokens) an arrival advances per round.
+        kv_store: prompt-state reuse across requests, or None.
+    """
+
+    def __init__(self, models: Any, max_batch: int = 8, max_queue: int = 64,
+                 chunk: int = 512, kv_store: Any = None) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch={max_batch} must be >= 1, max_queue={max_queue} >= 0")
+        self.models, self.max_batch, self.max_queue = models, max_batch, max_queue
+        self.chunk, self.kv_store = chunk, kv_store
+        self.stats = SchedulerStats()
+        self._waiting: deque[Ticket] = deque()
+        self._active: list[Ticket] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="specdec-scheduler",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queue a request. Raises QueueFull when `max_queue` requests already wait."""
+        with self._cv:
+            if len(self._waiting) >= self.max_queue and len(self._active) >= self.max_batch:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the bound is "
+                                f"{self.max_queue})")
+            ticket.t0 = time.perf_counter()
+            self._waiting.append(ticket)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    # -- the loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                while self._waiting and len(self._active) < self.max_batch:
+                    self._active.append(self._waiting.popleft())
+            try:
+                self._step()
+            except Exception as e:  # a fault outside any one request: fail them all, go on
+                log.exception("scheduler round failed")
+                for t in self._active:
+                    self._finish(t, error=e)
+                self._active = []
+
+    def _step(self) -> None:
+        for t in list(self._active):
+            if t.cancelled.is_set():
+                self.stats.cancelled += 1
+                self._active.remove(t)
+            elif t.state is None:
+                try:
+                    t.state = t.start()
+                except Exception as e:
+                    self._finish(t, error=e)
+        # One arrival's prefill advances by one chunk per round.
+        arriving = [t for t in self._active if t.state is not None and t.state.to_prefill]
+        if arriving:
+            prefill_chunk(self.models, arriving[0].state, self.chunk, self.kv_store)
+        ready = [t for t in self._active if t.state is not None and t.state.ready]
+        if ready:
+            t0 = time.perf_counter()
+            run_round(self.models, [t.state for t in ready])
+            self.stats.rounds += 1
+            self.stats.round_s += time.perf_counter() - t0
+            self.stats.batch_rows_sum += len(ready)
+            self.stats.last_batch = len(ready)
+        for t in ready:
+            s = t.state
+            assert s is not None
+            if s.new_tokens and not t.cancelled.is_set():
+                stop = False
+                for tok in s.new_tokens:
+                    delta, stop = t.text.feed(tok)
+                    t.sink(Event((tok,), delta))
+                    if stop:
+                        s.finish = "stop"
+                        break
+            if s.error is not None:
+                self._finish(t, error=s.error)
+            elif s.finish is not None:
+                self._finish(t)
+
+    def _finish(self, t: Ticket, error: Exception | None = None) -> None:
+        if t in self._active:
+            self._active.remove(t)
+        seconds = time.perf_counter() - t.t0
+        if error is not None:
+            t.sink(Event(error=error, seconds=seconds))
+            return
+        s = t.state
+        assert s is not None and s.finish is not None
+        finish, text = t.text.close(s.finish)
+        t.sink(Event(finish=finish, full_text=text, stats=s.stats, seconds=seconds))
