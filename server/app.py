@@ -32,18 +32,24 @@ from .errors import APIError, bad_request
 from .metrics import Metrics
 from .protocol import Common, parse_chat, parse_completion
 from .worker import EngineWorker, Job
+from specdec.scheduler import QueueFull
 
 log = logging.getLogger("specdec.server")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 COMPILE_TIMEOUT_S = 10.0
+MAX_BATCH = 8    # requests decoded together: a forward over 8 rows costs ~1.3x one row here
+MAX_QUEUE = 64   # requests waiting for a slot before new ones get 503 + Retry-After
+RETRY_AFTER_S = 1
 
 
 def create_app(engine: Engine, *, api_key: str | None = None,
                chat_template: str | None = None,
-               compile_timeout_s: float = COMPILE_TIMEOUT_S) -> FastAPI:
-    """The ASGI app serving `engine`. One engine thread; compiles in a small thread pool."""
+               compile_timeout_s: float = COMPILE_TIMEOUT_S,
+               max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> FastAPI:
+    """The ASGI app serving `engine`: one scheduler thread decoding up to `max_batch`
+    requests together, `max_queue` more waiting (then 503); compiles in a small pool."""
     app = FastAPI(title="specdec")
-    worker = EngineWorker(engine)
+    worker = EngineWorker(engine, max_batch=max_batch, max_queue=max_queue)
     metrics = Metrics()
     compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-compile")
     model_name = engine.target.name
@@ -146,7 +152,13 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         req, warnings = await prepare(common, to_ids)
         metrics.add(requests_total=1, requests_constrained_total=int(req.constraint is not None))
         job = Job(req, loop=asyncio.get_running_loop())
-        worker.submit(job)
+        try:
+            worker.submit(job)
+        except QueueFull as e:
+            metrics.add(requests_rejected_total=1)
+            raise APIError(503, f"the server is at capacity: {e}; retry after "
+                                f"{RETRY_AFTER_S}s", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         headers = {"Warning": "199 specdec \"" + "; ".join(warnings).replace('"', "'") + "\""} \
             if warnings else {}
@@ -161,7 +173,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(worker.queue_depth),
+        return PlainTextResponse(metrics.render(worker.queue_depth, worker.scheduler.stats,
+                                                worker.scheduler.active),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -229,13 +242,19 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
                     metrics: Metrics, warnings: tuple[str, ...], headers: dict[str, str]
                     ) -> JSONResponse:
     n = 0
+    checked = time.monotonic()
     try:
         while True:
             try:
-                event = await asyncio.wait_for(job.events.get(), timeout=1.0)
+                event = await asyncio.wait_for(job.events.get(), timeout=0.5)
             except asyncio.TimeoutError:
+                event = None
+            # Noticed while tokens are still flowing, not only when they stop.
+            if time.monotonic() - checked >= 0.5:
+                checked = time.monotonic()
                 if await http.is_disconnected():
-                    raise
+                    raise asyncio.CancelledError("client disconnected")
+            if event is None:
                 continue
             if event[0] == "token":
                 n += 1
@@ -305,7 +324,8 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: str | None = None,
-          compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+          compile_timeout_s: float = COMPILE_TIMEOUT_S, max_batch: int = MAX_BATCH,
+          max_queue: int = MAX_QUEUE) -> None:
     """Serve an engine until interrupted."""
     import uvicorn
 
@@ -313,10 +333,12 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(engine, api_key=api_key, chat_template=chat_template,
-                     compile_timeout_s=compile_timeout_s)
+                     compile_timeout_s=compile_timeout_s, max_batch=max_batch,
+                     max_queue=max_queue)
     draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward else "")
              if engine.draft is None else
              "self" if engine.draft is engine.target else engine.draft.name)
-    log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, BLAS: %s)", engine.target.name,
-             host, port, draft, engine.default_spec.k, blas.active())
+    log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, max batch %d, BLAS: %s)",
+             engine.target.name, host, port, draft, engine.default_spec.k, max_batch,
+             blas.active())
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -11,17 +11,19 @@ class APIError(Exception):
     """An error answered to the client with `status` in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

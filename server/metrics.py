@@ -17,6 +17,7 @@ class Metrics:
             "draft_proposed_total": 0, "draft_accepted_total": 0, "draft_forced_total": 0,
             "draft_looked_up_total": 0, "draft_model_total": 0, "draft_model_accepted_total": 0,
             "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
+            "requests_rejected_total": 0,
         }
 
     def add(self, **kv: float) -> None:
@@ -34,7 +35,7 @@ class Metrics:
                  grammar_cuts_total=stats.grammar_cuts,
                  mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
 
-    def render(self, queue_depth: int) -> str:
+    def render(self, queue_depth: int, sched: Any = None, active: int = 0) -> str:
         with self._lock:
             c = dict(self.c)
         lines = []
@@ -44,5 +45,18 @@ class Metrics:
             if c["draft_proposed_total"] else 0.0
         lines += ["# TYPE specdec_draft_acceptance_rate gauge",
                   f"specdec_draft_acceptance_rate {rate:g}",
-                  "# TYPE specdec_queue_depth gauge", f"specdec_queue_depth {queue_depth}"]
+                  "# TYPE specdec_queue_depth gauge", f"specdec_queue_depth {queue_depth}",
+                  "# TYPE specdec_active_requests gauge", f"specdec_active_requests {active}"]
+        if sched is not None:  # the scheduler's rounds: batch size and round time
+            rounds = sched.rounds
+            lines += ["# TYPE specdec_rounds_total counter", f"specdec_rounds_total {rounds}",
+                      "# TYPE specdec_round_seconds_total counter",
+                      f"specdec_round_seconds_total {sched.round_s:g}",
+                      "# TYPE specdec_batch_rows_total counter",
+                      f"specdec_batch_rows_total {sched.batch_rows_sum}",
+                      "# TYPE specdec_batch_size_mean gauge",
+                      f"specdec_batch_size_mean {sched.batch_rows_sum / rounds if rounds else 0:g}",
+                      "# TYPE specdec_batch_size gauge", f"specdec_batch_size {sched.last_batch}",
+                      "# TYPE specdec_cancelled_total counter",
+                      f"specdec_cancelled_total {sched.cancelled}"]
         return "\n".join(lines) + "\n"

@@ -1,21 +1,19 @@
-"""One thread owns the MLX model; HTTP handlers talk to it through queues.
-
-Exceptions travel back through the job's queue; a job whose client went away is cancelled
-between tokens.
+"""The engine's scheduler, adapted to asyncio handlers: one thread owns the models and runs
+rounds over every active request (continuous batching); each request's events travel back
+through its job's asyncio queue. A job whose client went away is cancelled within one round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.decode import GrammarStateError
 from specdec.engine import Engine, Request
+from specdec.scheduler import Event, Scheduler, Ticket
 from specdec.speculative import SpecStats
 
 log = logging.getLogger("specdec.server")
@@ -33,59 +31,45 @@ class Job:
 
 
 class EngineWorker:
-    """Runs jobs one at a time on a dedicated thread.
+    """Runs jobs on the engine's scheduler, up to `max_batch` at once.
 
     Events posted to `job.events`: ("token", id, text_delta), ("done", finish_reason, text,
-    timings, seconds), ("error", exception).
+    stats, seconds), ("error", exception). `submit` raises `scheduler.QueueFull` when
+    `max_queue` jobs already wait for a slot.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64) -> None:
         self.engine = engine
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
-        self._thread.start()
+        self.scheduler = Scheduler(engine.models, max_batch=max_batch, max_queue=max_queue,
+                                   kv_store=engine.kv_store)
 
     @property
     def queue_depth(self) -> int:
-        return self._jobs.qsize()
+        return self.scheduler.queue_depth
 
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        engine, req = self.engine, job.request
+        stats = SpecStats()
+
+        def sink(ev: Event) -> None:
+            if ev.error is not None:
+                e = ev.error
+                if isinstance(e, GrammarStateError):  # an internal fault: keep what locates it
+                    g = req.grammar
+                    log.error("grammar state error at output token %s: %s\nconstraint: %s\n"
+                              "grammar: %s", e.position, e.detail or e, req.constraint,
+                              g.text if g else None)
+                else:
+                    log.error("generation failed: %r", e)
+                job.post("error", e)
+            elif ev.final:
+                job.post("done", ev.finish, ev.full_text, ev.stats, ev.seconds)
+            else:
+                job.post("token", ev.tokens[0], ev.text)
+
+        self.scheduler.submit(Ticket(start=lambda: engine.new_state(req, stats),
+                                     text=engine.text_stream(req), sink=sink,
+                                     cancelled=job.cancelled))
 
     def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                continue
-            try:
-                self._run(job)
-            except GrammarStateError as e:  # an internal fault: keep what locates it
-                g = job.request.grammar
-                log.error("grammar state error at output token %s: %s\nconstraint: %s\n"
-                          "grammar: %s", e.position, e.detail or e,
-                          job.request.constraint, g.text if g else None)
-                job.post("error", e)
-            except Exception as e:  # travels to the handler, never kills the worker
-                log.exception("generation failed")
-                job.post("error", e)
-
-    def _run(self, job: Job) -> None:
-        timings = SpecStats()
-        t0 = time.perf_counter()
-        gen = self.engine.run(job.request, timings)
-        while True:
-            if job.cancelled.is_set():
-                gen.close()
-                return
-            try:
-                tok, delta = next(gen)
-            except StopIteration as end:
-                finish, text = end.value
-                job.post("done", finish, text, timings, time.perf_counter() - t0)
-                return
-            job.post("token", tok, delta)
+        self.scheduler.stop()

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", metavar="FILE", default=None)
     s.add_argument("--compile-timeout", type=float, default=10.0,
                    help="seconds a request's grammar may take to compile before it is a 400")
+    s.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together (continuous batching)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot; more get 503 with Retry-After")
     _add_spec_args(s)
     return ap
 
@@ -219,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     template = Path(args.chat_template).read_text() if args.chat_template else None
     serve(build_engine(args.model, args), host=args.host, port=args.port,
           api_key=args.api_key, chat_template=template,
-          compile_timeout_s=args.compile_timeout)
+          compile_timeout_s=args.compile_timeout, max_batch=args.max_batch,
+          max_queue=args.max_queue)
     return 0
 
 

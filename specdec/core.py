@@ -24,7 +24,6 @@ drives rounds for the server.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -34,7 +33,10 @@ from llguidance import LLMatcher
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import ragged
-from .decode import FinishReason, GrammarStateError, PromptKVCache, TokenId, check_matcher
+from collections.abc import Generator, Sequence
+
+from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId,
+                     check_matcher)
 from .lookup import NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 from .speculative import SpecConfig, SpecStats, _draft, _trim, verify_masks
@@ -186,7 +188,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         return
     for s in live:
         s.new_tokens = []
-        s.stats.rounds += 1
+        s.stats.rounds += s.spec is not None
     # 1. Propose.
     props: list[list[TokenId]] = []
     sources: list[list[str]] = []
@@ -199,6 +201,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
     # 2. Verify forward, queued; the host fills the mask rows meanwhile.
     t0 = time.perf_counter()
     segments = [([s.seq[-1], *p], s.t_cache) for s, p in zip(live, props)]
+    widths = [len(p) for p in props]  # what each target cache is advanced by, cuts or not
     logits = ragged.forward(models.target, segments)  # each (m_i+1, V)
     mx.async_eval([x for x in logits if x is not None])
     masks: list[np.ndarray | None] = []
@@ -245,7 +248,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.verify_s += verify_s
         s.stats.steps += 1
         if s.error is None:
-            _accept(s, props[i], sources[i], feds[i], picks[i].tolist())
+            _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i])
 
 
 def _propose(models: Models, s: DecodeState) -> tuple[list[TokenId], list[str], int]:
@@ -265,7 +268,9 @@ def _propose(models: Models, s: DecodeState) -> tuple[list[TokenId], list[str], 
 
 
 def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
-            picks: list[int]) -> None:
+            picks: list[int], width: int) -> None:
+    """Emit the agreeing prefix and the bonus pick; trim the caches (the target's was
+    advanced by `width` proposals, including any the backstop cut)."""
     out: list[TokenId] = []
     for j, p in enumerate(picks):
         out.append(int(p))
@@ -299,10 +304,39 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
             s.finish = "length"
             return
     # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
-    _trim(s.t_cache, len(props) - accepted)
+    _trim(s.t_cache, width - accepted)
     # Draft cache holds a prefix of old seq + props[:fed]; keep what still agrees.
     if s.d_cache:
         base = len(s.seq) - n_emit
         d_len = s.d_cache[0].offset
         keep = min(d_len, base + min(fed, accepted))
         _trim(s.d_cache, d_len - keep)
+
+
+def decode_rounds(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
+                  eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
+                  matcher: LLMatcher | None = None, spec: SpecConfig | None = None,
+                  timings: StepTimings | None = None, kv_store: PromptKVCache | None = None
+                  ) -> Generator[TokenId, None, FinishReason]:
+    """One request decoded alone, round by round: yields its tokens (EOS never yielded) and
+    returns the finish reason. `decode_steps` and `speculative_steps` are this generator.
+
+    Raises:
+        GrammarStateError: the matcher errored; nothing past that point is emitted.
+    """
+    stats = timings if isinstance(timings, SpecStats) else SpecStats()
+    s = new_state(models, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
+                  params=params, spec=spec, matcher=matcher, stats=stats)
+    try:
+        prefill(models, s, kv_store)
+        while True:
+            run_round(models, [s])
+            yield from s.new_tokens
+            if s.error is not None:
+                raise s.error
+            if s.finish is not None:
+                return s.finish
+    finally:
+        if timings is not None and timings is not stats:
+            for name in ("prefill_s", "mask_s", "wait_s", "steps"):
+                setattr(timings, name, getattr(stats, name))

@@ -1,26 +1,24 @@
-"""The plain constrained decode loop: a pure step generator over token ids.
+"""Plain constrained decoding as a step generator over token ids, and what every decode
+path shares: prompt prefill, the prompt-state store, the grammar error type.
 
-One target forward per token. Each step: the request's llguidance bitmask is filled on the
-host while the device computes the forward pass (async eval), then applied on the device,
-then the sampler picks, then the matcher consumes. The generator knows nothing of text,
-stop strings or HTTP; `engine.py` wraps it.
+`decode_steps` is the round-based core (`core.py`) with no proposer: one target forward per
+token; the request's llguidance bitmask is filled on the host while the device computes the
+forward pass, then applied on the device, then the sampler picks, then the matcher consumes.
+The generator knows nothing of text, stop strings or HTTP; `engine.py` wraps it.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import llguidance.numpy as llnp
 import mlx.core as mx
 import mlx.nn as nn
 from llguidance import LLMatcher
-from mlx_lm.models.cache import make_prompt_cache
 
-from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
+from .sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 TokenId = int
@@ -87,7 +85,8 @@ class PromptKVCache:
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[int, tuple[int, ...]], tuple[nn.Module, list, mx.array]]
+        self._entries: OrderedDict[tuple[int, tuple[int, ...]],
+                                   tuple[nn.Module, list, mx.array | None]]
         self._entries = OrderedDict()
         self.hits = 0
 
@@ -95,7 +94,7 @@ class PromptKVCache:
         """Like `prefill`, restoring a stored state when this model saw this prompt."""
         key = (id(model), tuple(prompt))
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is model:
+        if entry is not None and entry[0] is model and entry[2] is not None:
             self._entries.move_to_end(key)
             self.hits += 1
             for c, state in zip(cache, entry[1]):
@@ -103,11 +102,30 @@ class PromptKVCache:
             return entry[2]
         logits = prefill(model, prompt, cache)
         mx.eval(logits, [c.state for c in cache])
+        self._put(key, model, cache, logits)
+        return logits
+
+    def restore(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> bool:
+        """Load a stored state for (model, prompt) into `cache`; False when there is none."""
+        entry = self._entries.get((id(model), tuple(prompt)))
+        if entry is None or entry[0] is not model:
+            return False
+        self._entries.move_to_end((id(model), tuple(prompt)))
+        self.hits += 1
+        for c, state in zip(cache, entry[1]):
+            c.state = _copy_state(state)
+        return True
+
+    def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> None:
+        """Keep a copy of `cache` (which holds exactly `prompt`) for later requests."""
+        self._put((id(model), tuple(prompt)), model, cache, None)
+
+    def _put(self, key: tuple[int, tuple[int, ...]], model: nn.Module, cache: list,
+             logits: mx.array | None) -> None:
         if self.capacity > 0:
             self._entries[key] = (model, [_copy_state(c.state) for c in cache], logits)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
-        return logits
 
 
 def _copy_state(state: tuple) -> tuple:
@@ -147,50 +165,11 @@ def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int
     Raises:
         GrammarStateError: the matcher errored; no token is emitted past that point.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
-    if not params.greedy and params.seed is None:
-        raise ValueError("sampling (temperature > 0) needs a seed")
+    from .core import Models, decode_rounds
+
     timings = timings if timings is not None else StepTimings()
-    eos = set(eos_token_ids)
-    cache = make_prompt_cache(model)
-    t0 = time.perf_counter()
-    logits = (kv_store.prefill(model, prompt, cache) if kv_store is not None
-              else prefill(model, prompt, cache))
-    mx.eval(logits)
-    timings.prefill_s += time.perf_counter() - t0
-    bitmask = None
-    if matcher is not None:
-        check_matcher(matcher)
-        # The matcher's tokenizer is built for the logits width (GrammarCompiler.for_model).
-        bitmask = llnp.allocate_token_bitmask(1, vocab_size)
-    for i in range(max_tokens):
-        x = logits
-        if matcher is not None and bitmask is not None:
-            t0 = time.perf_counter()
-            llnp.fill_next_token_bitmask(matcher, bitmask, 0)
-            timings.mask_s += time.perf_counter() - t0
-            check_matcher(matcher, i)
-            x = apply_mask(logits, unpack_bitmask(mx.array(bitmask[0]), vocab_size))
-        noise = None if params.greedy else mx.array(position_noise(params.seed or 0, i, vocab_size))
-        tok = pick(x, params, noise)
-        if i + 1 < max_tokens:
-            # Queue the next forward before waiting, so the host's next mask fill overlaps it.
-            next_logits = model(tok.reshape(1, 1), cache=cache)[0, -1]
-            mx.async_eval(next_logits)
-        t0 = time.perf_counter()
-        t = int(tok.item())
-        timings.wait_s += time.perf_counter() - t0
-        timings.steps += 1
-        if matcher is not None:
-            matcher.consume_token(t)
-            check_matcher(matcher, i)
-        if t in eos:
-            return "stop"
-        yield t
-        if matcher is not None and matcher.is_stopped():
-            return "stop"  # only EOS could follow
-        if i + 1 < max_tokens:
-            logits = next_logits
-    return "length"
+    return (yield from decode_rounds(Models(model, vocab_size), prompt, max_tokens=max_tokens,
+                                     eos_token_ids=eos_token_ids, params=params,
+                                     matcher=matcher, spec=None, timings=timings,
+                                     kv_store=kv_store))
 

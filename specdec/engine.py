@@ -1,7 +1,8 @@
 """The library surface: a loaded target + its grammar compiler, generating text for requests.
 
-`Engine.generate` wraps the pure `decode_steps` generator with tokenization, stop strings,
-request validation and statistics. It holds no HTTP; `server/` adapts it.
+`Engine.generate` wraps the round-based core (`core.decode_rounds`) with tokenization, stop
+strings, request validation and statistics; `Engine.new_state` and `TextStream` give the
+scheduler the same pieces for batched serving. It holds no HTTP; `server/` adapts it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from .chat import render_chat
-from .decode import FinishReason, PromptKVCache, StepTimings, TokenId, decode_steps
+from .core import DecodeState, Models, decode_rounds, new_state
+from .decode import FinishReason, PromptKVCache, StepTimings, TokenId
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler
 from .models import LoadedModel
 from .sampling import SamplingParams
-from .speculative import DraftConfigError, SpecConfig, SpecStats, speculative_steps
+from .speculative import DraftConfigError, SpecConfig, SpecStats
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -235,44 +237,75 @@ class Engine:
         as `timings` to collect speculative counters.
         """
         grammar = self.compiled(req)
-        matcher = grammar.matcher() if grammar else None
-        if req.spec is not None:
-            stats = timings if isinstance(timings, SpecStats) else None
-            draft = self.draft
-            steps = speculative_steps(
-                self.target.model, draft.model if draft else None, req.prompt_ids,
-                vocab_size=self.target.vocab_size,
-                draft_vocab_size=draft.vocab_size if draft else self.target.vocab_size,
-                eos_token_ids=self.target.eos_token_ids, max_tokens=req.max_tokens,
-                matcher=matcher, params=req.sampling, spec=req.spec, stats=stats,
-                kv_store=self.kv_store)
-        else:
-            steps = decode_steps(self.target.model, req.prompt_ids,
-                                 vocab_size=self.target.vocab_size,
-                                 eos_token_ids=self.target.eos_token_ids,
-                                 max_tokens=req.max_tokens, matcher=matcher,
-                                 params=req.sampling, timings=timings,
-                                 kv_store=self.kv_store)
-        tokens: list[TokenId] = []
-        emitted = ""
-        hold = max((len(s) for s in req.stop), default=0)
+        steps = decode_rounds(self.models, req.prompt_ids, max_tokens=req.max_tokens,
+                              eos_token_ids=self.target.eos_token_ids, params=req.sampling,
+                              matcher=grammar.matcher() if grammar else None, spec=req.spec,
+                              timings=timings, kv_store=self.kv_store)
+        text = self.text_stream(req)
         while True:
             try:
                 tok = next(steps)
             except StopIteration as end:
-                text = self.decode_text(tokens)
-                return end.value, text
-            tokens.append(tok)
-            text = self.decode_text(tokens)
-            if req.stop:
-                cut = min((i for i in (text.find(s) for s in req.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    steps.close()
-                    return "stop", text[:cut]
-            # Hold back a possibly incomplete UTF-8 char and a possible stop-string prefix.
-            safe = len(text) - (hold - 1 if hold else 0)
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-            delta = text[len(emitted):max(safe, len(emitted))]
-            emitted += delta
+                return text.close(end.value)
+            delta, stopped = text.feed(tok)
+            if stopped:
+                steps.close()
+                return text.close("stop")
             yield tok, delta
+
+    # -- batching ------------------------------------------------------------------------
+    @property
+    def models(self) -> Models:
+        """The models requests decode with (for `core` and the scheduler)."""
+        d = self.draft
+        return Models(self.target.model, self.target.vocab_size, d.model if d else None,
+                      d.vocab_size if d else 0)
+
+    def new_state(self, req: Request, stats: SpecStats | None = None) -> DecodeState:
+        """The request's decode state (caches empty: the scheduler prefills in chunks)."""
+        grammar = self.compiled(req)
+        return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
+                         eos_token_ids=self.target.eos_token_ids, params=req.sampling,
+                         spec=req.spec, matcher=grammar.matcher() if grammar else None,
+                         stats=stats)
+
+    def text_stream(self, req: Request) -> "TextStream":
+        return TextStream(self.decode_text, req.stop)
+
+
+class TextStream:
+    """Token ids → text deltas for one request, applying its stop strings.
+
+    Deltas hold back a possibly incomplete UTF-8 character and a possible stop-string
+    prefix; `close` gives the finish reason and the full text (which may extend what was
+    sent).
+    """
+
+    def __init__(self, decode: Any, stop: Sequence[str]) -> None:
+        self._decode, self._stop = decode, tuple(stop)
+        self._hold = max((len(x) for x in stop), default=0)
+        self.tokens: list[TokenId] = []
+        self._sent = ""
+        self._cut: str | None = None
+
+    def feed(self, tok: TokenId) -> tuple[str, bool]:
+        """Add a token; returns (text delta, whether a stop string ended the output)."""
+        self.tokens.append(tok)
+        text = self._decode(self.tokens)
+        if self._stop:
+            cut = min((i for i in (text.find(x) for x in self._stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self._cut = text[:cut]
+                return "", True
+        safe = len(text) - (self._hold - 1 if self._hold else 0)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        delta = text[len(self._sent):max(safe, len(self._sent))]
+        self._sent += delta
+        return delta, False
+
+    def close(self, finish: FinishReason) -> tuple[FinishReason, str]:
+        """The finish reason and the full text (a stop string's cut wins)."""
+        if self._cut is not None:
+            return "stop", self._cut
+        return finish, self._decode(self.tokens)

@@ -122,9 +122,10 @@ class Scheduler:
     def submit(self, ticket: Ticket) -> None:
         """Queue a request. Raises QueueFull when `max_queue` requests already wait."""
         with self._cv:
-            if len(self._waiting) >= self.max_queue and len(self._active) >= self.max_batch:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the bound is "
-                                f"{self.max_queue})")
+            # Capacity: max_batch decoding plus max_queue waiting (admission lags a round).
+            if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{self.max_batch} requests are decoding and "
+                                f"{len(self._waiting)} waiting (at most {self.max_queue})")
             ticket.t0 = time.perf_counter()
             self._waiting.append(ticket)
             self._cv.notify()

@@ -1,5 +1,7 @@
 """Speculative decoding under grammars: masked drafting, one-pass verify, exact acceptance.
 
+This module holds the proposers (`_draft`) and the verify-side masks (`verify_masks`); the
+round that uses them lives in `core.py`, shared by plain, speculative and batched decoding.
 Each round:
 1. Draft: a clone of the request's matcher (`deep_copy`) masks the draft model's logits, so
    every proposal is legal; where the grammar allows exactly one token it is proposed without
@@ -24,7 +26,6 @@ Each round:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
@@ -33,10 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from llguidance import LLMatcher
-from mlx_lm.models.cache import make_prompt_cache
 
-from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId,
-                     check_matcher, prefill)
+from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId)
 from .lookup import LookupCursor, NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 
@@ -162,106 +161,15 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
     Raises:
         GrammarStateError: the matcher errored; nothing past that point is emitted.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
-    if not params.greedy and params.seed is None:
-        raise ValueError("sampling (temperature > 0) needs a seed")
     if draft_vocab_size > vocab_size:
         raise DraftConfigError(f"draft vocabulary {draft_vocab_size} exceeds the target's "
                                f"{vocab_size}")
-    stats = stats if stats is not None else SpecStats()
-    eos = set(eos_token_ids)
-    seed = params.seed or 0
-    t_cache = make_prompt_cache(target)
-    d_cache = make_prompt_cache(draft) if draft is not None else []
-    seq = list(prompt)
-    t0 = time.perf_counter()
-    # Both caches hold seq[:-1]; each round feeds the last token plus the proposals.
-    if len(seq) > 1:
-        fill = kv_store.prefill if kv_store is not None else prefill
-        fill(target, seq[:-1], t_cache)
-        if draft is not None:
-            fill(draft, seq[:-1], d_cache)
-        mx.eval([c.state for c in t_cache + d_cache])
-    stats.prefill_s += time.perf_counter() - t0
-    if matcher is not None:
-        check_matcher(matcher, 0)
-    index = NgramIndex(seq) if spec.lookup else None
-    emitted = 0
-    while True:
-        budget = max_tokens - emitted
-        kk = budget - 1  # _draft applies k (and the longer limit for free proposals)
-        stats.rounds += 1
-        t0 = time.perf_counter()
-        if index is not None:
-            index.extend(seq[len(index.tokens):])
-        props, sources, fed = _draft(draft, d_cache, seq, kk, matcher, params, spec, stats,
-                                     eos, vocab_size, draft_vocab_size, emitted, index)
-        stats.draft_s += time.perf_counter() - t0
-        stats.proposed += len(props)
+    from .core import Models, decode_rounds  # the core builds on this module's proposers
 
-        t0 = time.perf_counter()
-        bitmask = None
-        if matcher is not None:
-            tm = time.perf_counter()
-            bitmask, n_ok = verify_masks(matcher, props, eos, vocab_size, emitted)
-            stats.mask_s += time.perf_counter() - tm
-            if n_ok < len(props):
-                stats.grammar_cuts += 1
-                props, sources = props[:n_ok], sources[:n_ok]
-                bitmask = bitmask[:n_ok + 1]
-        logits = target(mx.array([[seq[-1], *props]], dtype=mx.int32), cache=t_cache)[0]
-        if bitmask is not None:  # (m+1, V)
-            logits = apply_mask(logits, unpack_bitmask(mx.array(bitmask), vocab_size))
-        noise = None
-        if not params.greedy:
-            noise = mx.array(np.stack([position_noise(seed, emitted + j, vocab_size)
-                                       for j in range(len(props) + 1)]))
-        tw = time.perf_counter()
-        picks = pick(logits, params, noise).tolist()  # (m+1,)
-        stats.wait_s += time.perf_counter() - tw
-        stats.verify_s += time.perf_counter() - t0
-        stats.steps += 1
-
-        # Accept the agreeing prefix, then the target's own pick (bonus).
-        out: list[TokenId] = []
-        for j, p in enumerate(picks):
-            out.append(int(p))
-            if j < len(props) and p == props[j]:
-                stats.accepted += 1
-                continue
-            break
-        accepted = len(out) - 1  # the last one is the target's own (bonus) pick
-        for src in sources[:accepted]:
-            setattr(stats, src + "_accepted", getattr(stats, src + "_accepted") + 1)
-        finish: FinishReason | None = None
-        n_emit = 0
-        for t in out:
-            if matcher is not None:
-                matcher.consume_token(t)
-                check_matcher(matcher, emitted)
-            if t in eos:
-                finish = "stop"
-                break
-            seq.append(t)
-            n_emit += 1
-            emitted += 1
-            yield t
-            if matcher is not None and matcher.is_stopped():
-                finish = "stop"
-                break
-            if emitted >= max_tokens:
-                finish = "length"
-                break
-        if finish is not None:
-            return finish
-        # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
-        _trim(t_cache, len(props) - accepted)
-        # Draft cache holds a prefix of old seq + props[:fed]; keep what still agrees.
-        base = len(seq) - n_emit  # length of seq before this round's tokens
-        d_len = d_cache[0].offset if d_cache else 0
-        keep = min(d_len, base + min(fed, accepted))
-        _trim(d_cache, d_len - keep)
+    return (yield from decode_rounds(
+        Models(target, vocab_size, draft, draft_vocab_size), prompt, max_tokens=max_tokens,
+        eos_token_ids=eos_token_ids, params=params, matcher=matcher, spec=spec,
+        timings=stats if stats is not None else SpecStats(), kv_store=kv_store))
 
 
 def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,

@@ -99,18 +99,18 @@ def test_grammar_completion_stops_without_emitting_eos(tiny, compiler, hf_tokeni
 
 
 class EosAfter:
-    """The tiny model, but EOS wins from the n-th forward on (a mock for the stop path)."""
+    """The tiny model, but EOS wins from output position n on (a mock for the stop path):
+    a row at sequence position p predicts output position p + 1 - len(prompt)."""
 
-    def __init__(self, model, n: int, eos: int) -> None:
-        self.model, self.n, self.eos, self.calls = model, n, eos, 0
+    def __init__(self, model, n: int, eos: int, prompt_len: int) -> None:
+        self.model, self.n, self.eos, self.prompt_len = model, n, eos, prompt_len
 
     def __call__(self, ids, cache=None):
+        start = cache[0].offset if cache else 0
         out = self.model(ids, cache=cache)
-        self.calls += 1
-        if self.calls > self.n:
-            bump = mx.zeros((out.shape[-1],)).at[self.eos].add(1e4)
-            out = out + bump
-        return out
+        pos = mx.arange(start, start + ids.shape[1]) + 1 - self.prompt_len  # (T,)
+        bump = mx.zeros((out.shape[-1],)).at[self.eos].add(1e4)
+        return out + (pos >= self.n)[None, :, None] * bump
 
     @property
     def layers(self):
@@ -119,8 +119,8 @@ class EosAfter:
 
 @pytest.mark.parametrize("eos", EOS)
 def test_any_eos_id_ends_unconstrained_output_and_is_not_emitted(tiny, prompt, eos):
-    tokens, finish = run(EosAfter(tiny, 4, eos), prompt, max_tokens=20)
-    assert finish == "stop" and len(tokens) == 4  # 4 forwards (prefill + 3) before EOS wins
+    tokens, finish = run(EosAfter(tiny, 4, eos, len(prompt)), prompt, max_tokens=20)
+    assert finish == "stop" and len(tokens) == 4  # output positions 0..3, then EOS wins
     assert eos not in tokens
 
 

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 
-import specdec
 from specdec import blas
 from bench.workloads import EXTRACTION
 from specdec.engine import Engine

@@ -1,0 +1,186 @@
+"""Batch invariance: a request's output does not depend on which requests share its rounds.
+
+As vLLM tests it: a "needle" request decoded alone, then inside random batches (sizes 2..8,
+a random position, neighbours of every kind — greedy, seeded top-k and top-p, constrained and
+free, plain and speculative with other k — joining and leaving mid-flight). On the reference
+BLAS this suite runs on, the needle's tokens must be identical, and equal to the oracle's.
+The control shows the logits comparison can fail: on OpenBLAS (not batch-invariant) the same
+comparison finds differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.workloads import CASES
+from oracle import reference_decode
+from specdec import blas, ragged
+from specdec.core import Models, decode_rounds, new_state, prefill, run_round
+from specdec.grammar import Constraint
+from specdec.sampling import SamplingParams
+from specdec.speculative import SpecConfig
+from tests import tally
+from tests.tiny import EOS, WIDTH, drain, tiny_llama
+
+SCHEMAS = [Constraint.json_schema(c.value) for c in CASES if c.kind == "json_schema"][:3]
+NEEDLE_PARAMS = {"greedy": SamplingParams(), "top-k": SamplingParams(0.9, top_k=40, seed=5),
+                 "top-p": SamplingParams(1.1, top_p=0.8, seed=9)}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(1234)
+
+
+@pytest.fixture(scope="module")
+def models(target):
+    return Models(target, WIDTH, tiny_llama(99), WIDTH)  # an unrelated draft: many rejections
+
+
+def _request(rng: random.Random, compiler, prompt, kind: str | None = None) -> dict:
+    """A random request of any kind (or the needle kind asked for)."""
+    kind = kind or rng.choice(sorted(NEEDLE_PARAMS))
+    spec = rng.choice([None, SpecConfig(2), SpecConfig(4, draft_masking=False),
+                       SpecConfig(8, lookup=True), SpecConfig(3, forced_drafting=False)])
+    constraint = rng.choice([None, *SCHEMAS])
+    p = NEEDLE_PARAMS[kind]
+    if p.seed is not None:
+        p = SamplingParams(p.temperature, p.top_p, p.top_k, rng.randrange(1000))
+    extra = [rng.randrange(300, 9000) for _ in range(rng.randrange(0, 6))]
+    return {"prompt": list(prompt) + extra, "params": p, "spec": spec,
+            "constraint": constraint, "max_tokens": rng.randrange(6, 24)}
+
+
+def _state(models, compiler, r):
+    m = compiler.compile(r["constraint"]).matcher() if r["constraint"] else None
+    return new_state(models, r["prompt"], max_tokens=r["max_tokens"], eos_token_ids=EOS,
+                     params=r["params"], spec=r["spec"], matcher=m)
+
+
+def _alone(models, compiler, r):
+    m = compiler.compile(r["constraint"]).matcher() if r["constraint"] else None
+    return drain(decode_rounds(models, r["prompt"], max_tokens=r["max_tokens"],
+                               eos_token_ids=EOS, params=r["params"], spec=r["spec"],
+                               matcher=m))
+
+
+def _in_batch(models, compiler, needle, rng: random.Random):
+    """Run the needle inside a random batch; neighbours join and leave mid-flight."""
+    size = rng.randrange(2, 9)
+    pending = [_request(rng, compiler, needle["prompt"][:4]) for _ in range(size - 1)]
+    joins = sorted(rng.randrange(0, 6) for _ in pending)  # the round each neighbour joins
+    s = _state(models, compiler, needle)
+    prefill(models, s)
+    active = [s]
+    out, rnd = [], 0
+    while not s.done:
+        while pending and joins[0] <= rnd:
+            joins.pop(0)
+            n = _state(models, compiler, pending.pop(0))
+            prefill(models, n)
+            active.insert(rng.randrange(len(active) + 1), n)  # at a random position
+        run_round(models, active)
+        out += s.new_tokens
+        active = [a for a in active if not a.done or a is s]
+        if rng.random() < 0.15 and len(active) > 1:  # a neighbour leaves early (cancelled)
+            active.remove(rng.choice([a for a in active if a is not s]))
+        rnd += 1
+    assert s.error is None, s.error
+    return out, s.finish
+
+
+@pytest.mark.parametrize("kind", sorted(NEEDLE_PARAMS))
+def test_needle_alone_equals_needle_in_random_batches_and_the_oracle(models, compiler, prompt,
+                                                                      kind):
+    rng = random.Random(f"needle-{kind}")
+    for trial in range(4):
+        needle = _request(rng, compiler, prompt, kind)
+        want = _alone(models, compiler, needle)
+        m = compiler.compile(needle["constraint"]).matcher() if needle["constraint"] else None
+        p = needle["params"]
+        oracle = reference_decode(models.target, needle["prompt"], vocab_size=WIDTH,
+                                  eos_token_ids=EOS, max_tokens=needle["max_tokens"],
+                                  matcher=m, temperature=p.temperature, top_k=p.top_k,
+                                  top_p=p.top_p, seed=p.seed or 0)
+        assert want[0] == list(oracle.tokens), f"alone vs oracle, trial {trial}"
+        for b in range(3):
+            got = _in_batch(models, compiler, needle, rng)
+            same = got == want
+            tally.record("tiny: needle in a random batch vs alone", same)
+            assert same, f"trial {trial} batch {b}: {got} != {want} ({needle})"
+
+
+def _segments_alone(model, prompt, steps):
+    c = make_prompt_cache(model)
+    outs = [model(mx.array([prompt]), cache=c)[0]]
+    outs += [model(mx.array([s]), cache=c)[0] for s in steps]
+    mx.eval(outs)
+    return [np.array(o) for o in outs]
+
+
+def _segments_batched(model, prompt, steps, rng: random.Random):
+    c = make_prompt_cache(model)
+    neighbours = [make_prompt_cache(model) for _ in range(rng.randrange(1, 8))]
+    outs = []
+    for seg in [prompt, *steps]:
+        batch = [([rng.randrange(300, 9000) for _ in range(rng.randrange(1, 9))], nc)
+                 for nc in neighbours]
+        pos = rng.randrange(len(batch) + 1)
+        batch.insert(pos, (seg, c))
+        outs.append(ragged.forward(model, batch)[pos])
+    mx.eval(outs)
+    return [np.array(o) for o in outs]
+
+
+def logits_invariance(model, seed: int = 0, trials: int = 3) -> tuple[int, float]:
+    """Compare a needle's logits alone (mlx-lm's own forward) and inside ragged batches:
+    (rows differing, max |diff|)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(300, 9000) for _ in range(20)]
+    steps = [[rng.randrange(300, 9000) for _ in range(n)] for n in (1, 3, 1, 5, 2)]
+    want = _segments_alone(model, prompt, steps)
+    rows, worst = 0, 0.0
+    for _ in range(trials):
+        got = _segments_batched(model, prompt, steps, rng)
+        for a, b in zip(want, got):
+            rows += int((a != b).any(axis=-1).sum())
+            worst = max(worst, float(np.abs(a - b).max()))
+    return rows, worst
+
+
+def test_ragged_forward_is_bitwise_batch_invariant_on_the_reference_blas(embedded):
+    assert blas.active() == "reference"
+    assert ragged.supports(embedded.model)
+    rows, worst = logits_invariance(embedded.model)
+    tally.NOTES.append(f"ragged forward, embedded model, reference BLAS: {rows} rows differ "
+                       f"(max |diff| {worst:g})")
+    assert (rows, worst) == (0, 0.0)
+
+
+@pytest.mark.skipif(blas.openblas_path() is None,
+                    reason="OpenBLAS not installed (apt-get install libopenblas0-pthread)")
+def test_control_openblas_is_not_batch_invariant_so_the_comparison_can_fail():
+    # The same comparison under a BLAS whose results depend on the number of rows: it must
+    # see differences, or the test above could not fail.
+    env = dict(os.environ, SPECDEC_BLAS="openblas")
+    env.pop("SPECDEC_BLAS_REEXEC", None)
+    code = ("from specdec.blas import ensure_blas; ensure_blas('openblas')\n"
+            "import json, specdec; from specdec import blas\n"
+            "from tests.test_batching import logits_invariance\n"
+            "rows, worst = logits_invariance(specdec.load().model)\n"
+            "print(json.dumps([blas.active(), rows, worst]))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    active, rows, worst = json.loads(out.stdout.strip().splitlines()[-1])
+    tally.NOTES.append(f"control, OpenBLAS: {rows} rows differ (max |diff| {worst:g})")
+    assert active == "openblas" and rows > 0 and worst > 0

@@ -1,0 +1,110 @@
+"""The server batching many clients at once (continuous batching) on the reference BLAS,
+where a request's output is promised independent of its batch: 8 concurrent `openai`
+clients of mixed kinds each get exactly what the same request gets alone; a full server
+answers 503 with Retry-After; cancelled requests free their slots."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serverproc import Server
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+          "properties": {"city": {"type": "string", "maxLength": 20},
+                         "country": {"type": "string", "maxLength": 20}}}
+
+
+def _requests() -> list[dict]:
+    """Eight requests of mixed kinds: greedy/seeded (top-k, top-p), constrained/free,
+    speculative (default k, k=2, no lookup)/plain, streaming/not."""
+    json_fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}
+    base = [
+        dict(temperature=0, response_format=json_fmt),
+        dict(temperature=0.8, seed=3, response_format=json_fmt),
+        dict(temperature=0, extra_body={"num_draft_tokens": 0}, response_format=json_fmt),
+        dict(temperature=0.9, seed=7, top_p=0.8, extra_body={"top_k": 40}),
+        dict(temperature=0),
+        dict(temperature=0, extra_body={"num_draft_tokens": 2, "prompt_lookup": False},
+             response_format={"type": "json_object"}),
+        dict(temperature=1.0, seed=11, extra_body={"num_draft_tokens": 0}),
+        dict(temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}),
+    ]
+    prompts = ["A city as JSON.", "Name a capital city.", "Where is Paris?", "Tell a joke.",
+               "Count to five.", "Describe a cat in JSON.", "Say hello.", "Is the sky blue?"]
+    return [dict(model="default", max_tokens=20, stream=i % 3 == 1,
+                 messages=[{"role": "user", "content": p}], **kw)
+            for i, (p, kw) in enumerate(zip(prompts, base))]
+
+
+def _ask(client: openai.OpenAI, req: dict) -> tuple[str, str]:
+    if req["stream"]:
+        chunks = list(client.chat.completions.create(**req))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    r = client.chat.completions.create(**req)
+    return r.choices[0].message.content or "", r.choices[0].finish_reason
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
+    s = Server("--max-batch", "8", "--max-queue", "0", env={"SPECDEC_BLAS": "reference"})
+    yield s
+    s.stop()
+
+
+def test_eight_concurrent_clients_get_what_each_gets_alone(server):
+    client = server.client()
+    reqs = _requests()
+    alone = [_ask(client, r) for r in reqs]
+    together: list = [None] * len(reqs)
+    start = threading.Barrier(len(reqs))
+
+    def run(i: int) -> None:
+        start.wait()
+        together[i] = _ask(server.client(), reqs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert together == alone
+    metrics = httpx.get(server.url + "/metrics").text
+    batch = [ln for ln in metrics.splitlines() if ln.startswith("specdec_batch_size_mean ")]
+    assert batch and float(batch[0].split()[1]) > 1.0, metrics  # rounds really were shared
+
+
+def test_full_server_answers_503_with_retry_after_and_cancelled_slots_free_up(server):
+    body = {"model": "default", "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    streams, clients = [], []
+    for _ in range(8):  # hold every slot
+        c = httpx.Client(base_url=server.url, timeout=120)
+        s = c.stream("POST", "/v1/chat/completions", json=body)
+        r = s.__enter__()
+        next(r.iter_lines())  # the request was accepted (submitted to the scheduler)
+        clients.append(c)
+        streams.append(s)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False},
+                   timeout=60)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    err = r.json()["error"]
+    assert err["code"] == "queue_full" and set(err) == {"message", "type", "param", "code"}
+    for s, c in zip(streams, clients):  # clients leave mid-stream
+        s.__exit__(None, None, None)
+        c.close()
+    deadline = time.time() + 60
+    while time.time() < deadline:  # slots are freed within a round of each disconnect
+        m = httpx.get(server.url + "/metrics").text
+        if "specdec_active_requests 0" in m:
+            break
+        time.sleep(0.2)
+    assert "specdec_active_requests 0" in m
+    r = server.client().chat.completions.create(model="default", max_tokens=4, temperature=0,
+                                                messages=[{"role": "user", "content": "Hi"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
