@@ -22,6 +22,8 @@ REQUIRED = (
     "ours_over_peer_spec_constrained", "server_tok_s_c1", "server_tok_s_c8",
     "server_p99_latency_s_c8", "draft_acceptance_distilled", "draft_cost_over_target_step",
     "spec_over_plain_constrained_distilled", "spec_over_plain_constrained_lookup",
+    "server_tok_s_c4", "server_tok_s_c16", "server_c8_over_c1", "server_p99_latency_c8_over_c1",
+    "batched_spec_over_batched_plain_c8", "ours_constrained_c8_over_mlxlm_unconstrained_c8",
 )
 
 

@@ -1,60 +1,165 @@
-"""Server level: 1, 4, 8 concurrent clients through the real server (official client),
-structured-output ratio 0 and 1; tokens/s and latency percentiles."""
+"""Server level, continuous batching: 1, 4, 8, 16 concurrent clients through the real server
+(official client), structured-output ratio 0 and 1; tokens/s and latency percentiles;
+speculation vs plain under load (c8, interleaved); and the peer, mlx-lm's own server (its
+continuous batching, unconstrained, no draft) on the same converted model and prompts."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import statistics
+import subprocess
+import sys
 import time
 
+import httpx
 import numpy as np
 import pytest
 
 from bench import results
 from bench.workloads import CASES
-from tests.serverproc import Server
+from specdec import blas
+from tests.serverproc import Server, free_port
 
 QUICK = results.QUICK
-LEVELS = (1, 8) if QUICK else (1, 4, 8)
+LEVELS = (1, 4, 8, 16)
 PER_CLIENT = 1 if QUICK else 2
 MAX_TOKENS = 32
+MAX_BATCH = 16
 
 
 @pytest.fixture(scope="module")
 def server(engine):  # `engine` makes sure the model is converted first
-    s = Server()
+    s = Server("--max-batch", str(MAX_BATCH))
     yield s
     s.stop()
 
 
-def one(client, i: int, structured: bool) -> tuple[float, int]:
+class MlxLmServer:
+    """`python -m mlx_lm.server` on the converted embedded model, with the same BLAS."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("SPECDEC_BLAS_REEXEC", None)
+        if blas.openblas_path():
+            env["LD_PRELOAD"] = blas.openblas_path()  # type: ignore[assignment]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_lm.server", "--model", model_dir, "--port",
+             str(self.port), "--max-tokens", str(MAX_TOKENS)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise RuntimeError("mlx_lm.server did not come up")
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=300)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+
+
+def one(client, i: int, structured: bool, extra_body: dict | None = None,
+        model: str = "default") -> tuple[float, int]:
     case = [c for c in CASES if c.kind == "json_schema"][i % 6]
     extra = {"response_format": {"type": "json_schema", "json_schema": {
         "name": case.name, "schema": case.value, "strict": True}}} if structured else {}
     t0 = time.perf_counter()
-    r = client.chat.completions.create(model="default", messages=case.messages(),
-                                       max_tokens=MAX_TOKENS, temperature=0, **extra)
+    r = client.chat.completions.create(model=model, messages=case.messages(),
+                                       max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body=extra_body, **extra)
     return time.perf_counter() - t0, r.usage.completion_tokens
+
+
+def load(client, c: int, jobs: int, structured: bool, extra_body: dict | None = None,
+         model: str = "default") -> tuple[float, np.ndarray]:
+    """`jobs` requests from `c` concurrent clients: (aggregate tok/s, latencies)."""
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(c) as pool:
+        out = list(pool.map(lambda i: one(client, i, structured, extra_body, model),
+                            range(jobs)))
+    wall = time.perf_counter() - t0
+    return sum(o[1] for o in out) / wall, np.array([o[0] for o in out])
 
 
 @pytest.mark.parametrize("structured", [0, 1])
 def test_server_concurrency(benchmark, server, structured):
     def run_all() -> None:
+        by: dict[int, tuple[float, np.ndarray]] = {}
         for c in LEVELS:
-            client = server.client()
-            jobs = c * PER_CLIENT
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(c) as pool:
-                out = list(pool.map(lambda i: one(client, i, bool(structured)), range(jobs)))
-            wall = time.perf_counter() - t0
-            lat = np.array([o[0] for o in out])
-            tok = sum(o[1] for o in out)
+            by[c] = load(server.client(), c, c * PER_CLIENT, bool(structured))
+            tok_s, lat = by[c]
             suffix = "" if structured else "_unstructured"
-            note = (f"{jobs} requests, {c} clients, structured ratio {structured}, "
-                    f"max_tokens {MAX_TOKENS}, one engine thread (no batching)")
-            results.add(f"server_tok_s_c{c}{suffix}", tok / wall, "tok/s", note)
+            note = (f"{c * PER_CLIENT} requests, {c} clients, structured ratio {structured}, "
+                    f"max_tokens {MAX_TOKENS}, continuous batching (max batch {MAX_BATCH})")
+            results.add(f"server_tok_s_c{c}{suffix}", tok_s, "tok/s", note)
             results.add(f"server_p50_latency_s_c{c}{suffix}", float(np.percentile(lat, 50)),
                         "s", note)
             results.add(f"server_p99_latency_s_c{c}{suffix}", float(np.percentile(lat, 99)),
                         "s", note)
+        if structured and 8 in by:
+            note = "same run: c8 over c1, structured, continuous batching"
+            results.add("server_c8_over_c1", by[8][0] / by[1][0], "x", note)
+            results.add("server_p99_latency_c8_over_c1",
+                        float(np.percentile(by[8][1], 99) / np.percentile(by[1][1], 99)),
+                        "x", note)
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
+
+
+def test_batched_spec_over_batched_plain_c8(benchmark, server):
+    """Speculation still pays under load: 8 clients, structured, the serving defaults vs
+    the same requests decoded plainly (num_draft_tokens 0), arms interleaved."""
+    rounds = 2 if QUICK else 3
+
+    def run_all() -> None:
+        ratios = []
+        for r in range(rounds):
+            arms = [("spec", None), ("plain", {"num_draft_tokens": 0})]
+            got = {}
+            for name, extra in (arms if r % 2 == 0 else arms[::-1]):
+                got[name] = load(server.client(), 8, 8 * PER_CLIENT, True, extra)[0]
+            ratios.append(got["spec"] / got["plain"])
+        results.add("batched_spec_over_batched_plain_c8", statistics.median(ratios), "x",
+                    f"8 clients, structured, {8 * PER_CLIENT} requests per arm, median of "
+                    f"{rounds} interleaved rounds")
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+
+
+def test_ours_constrained_over_mlxlm_unconstrained_c8(benchmark, server, engine):
+    """The peer: mlx-lm's server (continuous batching, no grammar, no draft) at 8 clients on
+    the same converted model and prompts, against ours constrained, interleaved."""
+    peer = MlxLmServer(str(engine.target.path))
+    rounds = 2 if QUICK else 3
+    try:
+        def run_all() -> None:
+            ratios, peer_tok_s = [], []
+            for r in range(rounds):
+                arms = [("ours", lambda: load(server.client(), 8, 8 * PER_CLIENT, True)),
+                        ("peer", lambda: load(peer.client(), 8, 8 * PER_CLIENT, False,
+                                              model=str(engine.target.path)))]
+                got = {name: f()[0] for name, f in (arms if r % 2 == 0 else arms[::-1])}
+                ratios.append(got["ours"] / got["peer"])
+                peer_tok_s.append(got["peer"])
+            results.add("mlxlm_server_unconstrained_tok_s_c8", statistics.median(peer_tok_s),
+                        "tok/s", "mlx-lm's server (continuous batching), 8 clients, "
+                        "unconstrained, no draft; median over rounds")
+            results.add("ours_constrained_c8_over_mlxlm_unconstrained_c8",
+                        statistics.median(ratios), "x",
+                        f"8 clients, max_tokens {MAX_TOKENS}, median of {rounds} interleaved "
+                        "rounds; ours JSON-schema constrained with its serving defaults")
+
+        benchmark.pedantic(run_all, rounds=1, iterations=1)
+    finally:
+        peer.stop()

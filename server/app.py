@@ -24,8 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.chat import ChatTemplateError, ReasoningConflictError
 from specdec.decode import GrammarStateError
-from specdec.engine import DEFAULT_MAX_TOKENS, Engine, Request as EngineRequest, RequestError
-from specdec.grammar import CompiledGrammar, GrammarError
+from specdec.engine import (DEFAULT_MAX_TOKENS, CompileTimeout, Engine,
+                            Request as EngineRequest, RequestError)
+from specdec.grammar import GrammarError
 from specdec.speculative import DraftConfigError
 
 from .errors import APIError, bad_request
@@ -105,9 +106,9 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                            code="model_not_found", param="model")
 
     async def prepare(common: Common, to_ids: Any) -> tuple[EngineRequest, tuple[str, ...]]:
-        """Tokenize, then compile within the time limit, off the event loop: a slow schema
-        is a 400 while other requests keep decoding (its compile finishes in the pool and
-        is cached)."""
+        """Tokenize, validate and compile through the engine (its compile time limit), off
+        the event loop: a slow schema is a 400 while other requests keep decoding (its
+        compile finishes in the background and is cached)."""
         def validate() -> EngineRequest:
             ids = to_ids()
             max_tokens = common.max_tokens
@@ -116,26 +117,17 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             spec = common.spec
             if isinstance(spec, dict):
                 spec = dataclasses.replace(engine.default_spec, **spec)
-            return engine.prepare(ids, constraint=None, sampling=common.sampling,
+            return engine.prepare(ids, constraint=common.constraint, sampling=common.sampling,
                                   max_tokens=max_tokens, stop=common.stop,
-                                  spec=spec)  # type: ignore[arg-type]
-
-        def compile_() -> CompiledGrammar | None:
-            if common.constraint is None:
-                return None
-            return engine.compiler.compile(common.constraint)
+                                  spec=spec,  # type: ignore[arg-type]
+                                  compile_timeout_s=compile_timeout_s)
 
         loop = asyncio.get_running_loop()
         try:
             req = await loop.run_in_executor(compile_pool, validate)
-            grammar = await asyncio.wait_for(loop.run_in_executor(compile_pool, compile_),
-                                             timeout=compile_timeout_s)
-            return (dataclasses.replace(req, constraint=common.constraint, grammar=grammar),
-                    grammar.warnings if grammar else ())
-        except asyncio.TimeoutError as e:
-            raise bad_request(f"the constraint took longer than {compile_timeout_s:g}s to "
-                              "compile; simplify the schema", "response_format",
-                              "compile_timeout") from e
+            return req, req.grammar.warnings if req.grammar else ()
+        except CompileTimeout as e:
+            raise bad_request(str(e), "response_format", "compile_timeout") from e
         except GrammarError as e:
             raise bad_request(str(e), "response_format", "invalid_grammar") from e
         except ReasoningConflictError as e:

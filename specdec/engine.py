@@ -7,6 +7,7 @@ scheduler the same pieces for batched serving. It holds no HTTP; `server/` adapt
 
 from __future__ import annotations
 
+import concurrent.futures
 import secrets
 import time
 from collections.abc import Generator, Sequence
@@ -16,7 +17,7 @@ from typing import Any, Literal
 from .chat import render_chat
 from .core import DecodeState, Models, decode_rounds, new_state
 from .decode import FinishReason, PromptKVCache, StepTimings, TokenId
-from .grammar import CompiledGrammar, Constraint, GrammarCompiler
+from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 from .models import LoadedModel
 from .sampling import SamplingParams
 from .speculative import DraftConfigError, SpecConfig, SpecStats
@@ -26,6 +27,10 @@ DEFAULT_MAX_TOKENS = 256
 
 class RequestError(ValueError):
     """A request parameter outside its valid range; the message names value and range."""
+
+
+class CompileTimeout(GrammarError):
+    """A constraint that did not compile within the request's time limit."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,8 @@ class Engine:
         self.default_spec = spec
         self.jump_forward = jump_forward
         self.kv_store = PromptKVCache()
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="specdec-compile")
         self.compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
             eos_token_ids=list(target.eos_token_ids))
@@ -159,15 +166,20 @@ class Engine:
     def prepare(self, prompt_ids: Sequence[TokenId], *, constraint: Constraint | None = None,
                 sampling: SamplingParams = SamplingParams(),
                 max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
-                spec: SpecConfig | None | Literal["default"] = "default") -> Request:
-        """Validate a request and fill in its seed.
+                spec: SpecConfig | None | Literal["default"] = "default",
+                compile_timeout_s: float | None = None) -> Request:
+        """Validate a request, compile its constraint and fill in its seed: the one door for
+        the CLI, the server and the benchmarks.
 
         Args:
             spec: speculative settings; "default" uses the engine's (with no draft: for
                 constrained requests when jump-forward is on), None forces plain decoding.
                 Without a draft model only grammar-forced tokens are proposed.
+            compile_timeout_s: most seconds the compile may take (None: no limit). A compile
+                that runs over finishes in the background and is cached.
         Raises:
             RequestError: empty or over-long prompt, bad max_tokens, bad token ids, empty stop.
+            CompileTimeout: the constraint took longer than compile_timeout_s to compile.
             GrammarError: the constraint does not compile (compiled and cached here).
         """
         if spec == "default":
@@ -193,12 +205,29 @@ class Engine:
                                f"{self.target.vocab_size})")
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
-        grammar = self.compiler.compile(constraint) if constraint is not None else None
+        grammar = self.compile(constraint, compile_timeout_s) if constraint is not None else None
         if not sampling.greedy and sampling.seed is None:
             sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
                                       secrets.randbits(63))
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
                        tuple(stop), spec, grammar)
+
+    def compile(self, constraint: Constraint, timeout_s: float | None = None
+                ) -> CompiledGrammar:
+        """Compile (or fetch) a constraint, within `timeout_s` seconds when given.
+
+        Raises:
+            CompileTimeout: over the limit (the compile goes on in the background, cached).
+            GrammarError: the constraint does not compile.
+        """
+        if timeout_s is None:
+            return self.compiler.compile(constraint)
+        future = self._compile_pool.submit(self.compiler.compile, constraint)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as e:
+            raise CompileTimeout(constraint.kind, f"the constraint took longer than "
+                                 f"{timeout_s:g}s to compile; simplify it") from e
 
     def compiled(self, req: Request) -> CompiledGrammar | None:
         """The request's compiled grammar (from `prepare`, else compiled now)."""

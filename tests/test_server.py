@@ -331,3 +331,21 @@ def test_schema_over_the_compile_limit_is_a_400_and_others_keep_being_served(emb
         assert r.choices[0].finish_reason == "length"
     finally:
         s.stop()
+
+
+def test_server_without_a_draft_jump_forwards_constrained_requests(embedded):
+    # The engine resolves a request's speculation with its constraint known: with no draft
+    # model, constrained requests propose grammar-forced tokens (jump-forward).
+    s = Server("--draft-model", "none")
+    try:
+        body = {"model": "default", "messages": MSG, "max_tokens": 30, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "c", "schema": {"type": "object", "required": ["city"],
+                                            "properties": {"city": {"type": "string"}}}}}}
+        ext = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()["specdec"]
+        assert ext["k"] > 0 and ext["forced"] > 0 and ext["drafted"] == 0, ext
+        free = httpx.post(s.url + "/v1/chat/completions", timeout=300,
+                          json={**body, "response_format": {"type": "text"}}).json()["specdec"]
+        assert free["k"] == 0, free  # unconstrained requests decode plainly
+    finally:
+        s.stop()
