@@ -163,8 +163,11 @@ def prefill_chunk(models: Models, s: DecodeState, chunk: int = PREFILL_CHUNK,
     t0 = time.perf_counter()
     head = list(s.prompt[:-1])
     at = len(head) - s.to_prefill
-    if at == 0 and kv_store is not None and kv_store.restore(models.target, head, s.t_cache) \
-            and (not s.d_cache or kv_store.restore(models.draft, head, s.d_cache)):
+    if at == 0 and kv_store is not None and kv_store.has(models.target, head) and (
+            not s.d_cache or kv_store.has(models.draft, head)):  # both caches, or neither
+        kv_store.restore(models.target, head, s.t_cache)
+        if s.d_cache:
+            kv_store.restore(models.draft, head, s.d_cache)
         s.to_prefill = 0
     else:
         part = head[at:at + chunk]

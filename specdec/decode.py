@@ -105,6 +105,11 @@ class PromptKVCache:
         self._put(key, model, cache, logits)
         return logits
 
+    def has(self, model: nn.Module, prompt: Sequence[TokenId]) -> bool:
+        """Whether a state for (model, prompt) is stored."""
+        entry = self._entries.get((id(model), tuple(prompt)))
+        return entry is not None and entry[0] is model
+
     def restore(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> bool:
         """Load a stored state for (model, prompt) into `cache`; False when there is none."""
         entry = self._entries.get((id(model), tuple(prompt)))

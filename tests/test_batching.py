@@ -184,3 +184,35 @@ def test_control_openblas_is_not_batch_invariant_so_the_comparison_can_fail():
     active, rows, worst = json.loads(out.stdout.strip().splitlines()[-1])
     tally.NOTES.append(f"control, OpenBLAS: {rows} rows differ (max |diff| {worst:g})")
     assert active == "openblas" and rows > 0 and worst > 0
+
+
+@pytest.mark.parametrize("stored", ["none", "target only", "both"])
+def test_chunked_prefill_from_any_store_state_equals_decoding_alone(models, compiler, prompt,
+                                                                    stored):
+    # Arrivals are prefilled a chunk per round, restoring a stored prompt state only when
+    # every cache the request needs is stored (a target-only entry must not be half-used).
+    from specdec.core import prefill_chunk
+    from specdec.decode import PromptKVCache
+
+    r = _request(random.Random(3), compiler, prompt, "greedy")
+    r["spec"] = SpecConfig(4)  # uses the draft: two caches to prefill
+    want = _alone(models, compiler, r)
+    kv = PromptKVCache()
+    head = r["prompt"][:-1]
+    if stored != "none":
+        seed = _state(models, compiler, r)
+        prefill(models, seed)
+        kv.store(models.target, head, seed.t_cache)
+        if stored == "both":
+            kv.store(models.draft, head, seed.d_cache)
+    s = _state(models, compiler, r)
+    chunks = 0
+    while s.to_prefill:
+        prefill_chunk(models, s, chunk=3, kv_store=kv)
+        chunks += 1
+    assert chunks == (1 if stored == "both" else -(-len(head) // 3))
+    out = []
+    while not s.done:
+        run_round(models, [s])
+        out += s.new_tokens
+    assert (out, s.finish) == want
