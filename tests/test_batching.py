@@ -211,6 +211,7 @@ def test_chunked_prefill_from_any_store_state_equals_decoding_alone(models, comp
         prefill_chunk(models, s, chunk=3, kv_store=kv)
         chunks += 1
     assert chunks == (1 if stored == "both" else -(-len(head) // 3))
+    assert [s.t_cache[0].offset, s.d_cache[0].offset] == [len(head), len(head)]
     out = []
     while not s.done:
         run_round(models, [s])
