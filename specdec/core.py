@@ -186,11 +186,12 @@ def prefill_chunk(models: Models, s: DecodeState, chunk: int = PREFILL_CHUNK,
 def run_round(models: Models, states: Sequence[DecodeState]) -> None:
     """One round over every ready state (see the module docstring). A request's grammar
     error ends that request only (`state.error`); the others carry on."""
+    for s in states:
+        s.new_tokens = []  # what this round emits (nothing for a finished request)
     live = [s for s in states if s.ready]
     if not live:
         return
     for s in live:
-        s.new_tokens = []
         s.stats.rounds += s.spec is not None
     # 1. Propose.
     props: list[list[TokenId]] = []
