@@ -158,29 +158,53 @@ def _prefill_plain(model: nn.Module, tokens: list[TokenId], cache: list) -> None
 def prefill_chunk(models: Models, s: DecodeState, chunk: int = PREFILL_CHUNK,
                   kv_store: PromptKVCache | None = None) -> None:
     """Advance a state's prefill by at most `chunk` tokens (a stored prompt: all at once)."""
-    if s.to_prefill == 0:
+    prefill_arrivals(models, [s], chunk, kv_store)
+
+
+def prefill_arrivals(models: Models, states: Sequence[DecodeState],
+                     budget: int = PREFILL_CHUNK, kv_store: PromptKVCache | None = None
+                     ) -> None:
+    """Advance arriving requests' prefill, in order: a prompt whose every cache is stored is
+    restored; the others take chunks until `budget` tokens in all, prefilled in one ragged
+    target forward (so running requests stall for at most `budget` tokens per round)."""
+    todo: list[tuple[DecodeState, list[TokenId]]] = []
+    used = 0
+    for s in states:
+        if s.to_prefill == 0:
+            continue
+        t0 = time.perf_counter()
+        head = list(s.prompt[:-1])
+        at = len(head) - s.to_prefill
+        if at == 0 and kv_store is not None and kv_store.has(models.target, head) and (
+                not s.d_cache or kv_store.has(models.draft, head)):  # both caches, or neither
+            kv_store.restore(models.target, head, s.t_cache)
+            if s.d_cache:
+                kv_store.restore(models.draft, head, s.d_cache)
+            s.to_prefill = 0
+            s.stats.prefill_s += time.perf_counter() - t0
+            continue
+        n = min(s.to_prefill, budget - used)
+        if n <= 0:
+            break
+        todo.append((s, head[at:at + n]))
+        used += n
+    if not todo:
         return
     t0 = time.perf_counter()
-    head = list(s.prompt[:-1])
-    at = len(head) - s.to_prefill
-    if at == 0 and kv_store is not None and kv_store.has(models.target, head) and (
-            not s.d_cache or kv_store.has(models.draft, head)):  # both caches, or neither
-        kv_store.restore(models.target, head, s.t_cache)
-        if s.d_cache:
-            kv_store.restore(models.draft, head, s.d_cache)
-        s.to_prefill = 0
-    else:
-        part = head[at:at + chunk]
-        models.target(mx.array([part], dtype=mx.int32), cache=s.t_cache)
+    ragged.forward(models.target, [(part, s.t_cache) for s, part in todo], rows=[0] * len(todo))
+    for s, part in todo:
         if s.d_cache:
             models.draft(mx.array([part], dtype=mx.int32), cache=s.d_cache)
-        mx.eval([c.state for c in s.t_cache + s.d_cache])
+    mx.eval([c.state for s, _ in todo for c in s.t_cache + s.d_cache])
+    spent = (time.perf_counter() - t0) / len(todo)
+    for s, part in todo:
         s.to_prefill -= len(part)
+        s.stats.prefill_s += spent
         if s.to_prefill == 0 and kv_store is not None:
+            head = list(s.prompt[:-1])
             kv_store.store(models.target, head, s.t_cache)
             if s.d_cache:
                 kv_store.store(models.draft, head, s.d_cache)
-    s.stats.prefill_s += time.perf_counter() - t0
 
 
 def run_round(models: Models, states: Sequence[DecodeState]) -> None:

@@ -1,9 +1,9 @@
 """Continuous batching: one thread runs rounds (`core.run_round`) over every active request.
 
-Requests join and leave at round boundaries. Each round, at most one arriving request's
-prompt advances by one prefill chunk, so running requests stall for at most one chunk; then
-one round decodes every prefilled request together (one verify forward for all). Events go
-to each request's `sink` as one typed `Event` per text delta, then a final one.
+Requests join and leave at round boundaries. Each round, arriving requests' prompts advance
+by at most one prefill chunk in all (one forward), so running requests stall for at most one
+chunk; then one round decodes every prefilled request together (one verify forward for all).
+Events go to each request's `sink` as one typed `Event` per text delta, then a final one.
 
 Error contract: a request whose setup or grammar fails gets an `Event` with `error` set and
 leaves; the loop and the other requests carry on. `submit` raises `QueueFull` when the
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import DecodeState, prefill_chunk, run_round
+from .core import DecodeState, prefill_arrivals, run_round
 from .decode import FinishReason, TokenId
 from .speculative import SpecStats
 
@@ -163,10 +163,10 @@ class Scheduler:
                     t.state = t.start()
                 except Exception as e:
                     self._finish(t, error=e)
-        # One arrival's prefill advances by one chunk per round.
-        arriving = [t for t in self._active if t.state is not None and t.state.to_prefill]
+        # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward.
+        arriving = [t.state for t in self._active if t.state is not None and t.state.to_prefill]
         if arriving:
-            prefill_chunk(self.models, arriving[0].state, self.chunk, self.kv_store)
+            prefill_arrivals(self.models, arriving, self.chunk, self.kv_store)
         ready = [t for t in self._active if t.state is not None and t.state.ready]
         if ready:
             t0 = time.perf_counter()

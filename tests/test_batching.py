@@ -217,3 +217,27 @@ def test_chunked_prefill_from_any_store_state_equals_decoding_alone(models, comp
         run_round(models, [s])
         out += s.new_tokens
     assert (out, s.finish) == want
+
+
+def test_arrivals_prefilled_together_equal_each_prefilled_alone(models, compiler, prompt):
+    # Several arrivals share one prefill forward per round (a token budget in all); each
+    # cache ends holding exactly its prompt and each request decodes as it does alone.
+    from specdec.core import prefill_arrivals
+
+    rng = random.Random(17)
+    reqs = [_request(rng, compiler, prompt) for _ in range(5)]
+    want = [_alone(models, compiler, r) for r in reqs]
+    states = [_state(models, compiler, r) for r in reqs]
+    rounds = 0
+    while any(s.to_prefill for s in states):
+        prefill_arrivals(models, states, budget=7)
+        rounds += 1
+    assert rounds == -(-sum(len(r["prompt"]) - 1 for r in reqs) // 7)
+    for s, r in zip(states, reqs):
+        assert s.t_cache[0].offset == len(r["prompt"]) - 1
+    got: list[list[int]] = [[] for _ in states]
+    while not all(s.done for s in states):
+        run_round(models, states)
+        for g, s in zip(got, states):
+            g += s.new_tokens
+    assert [(g, s.finish) for g, s in zip(got, states)] == want

@@ -108,3 +108,22 @@ def test_full_server_answers_503_with_retry_after_and_cancelled_slots_free_up(se
     r = server.client().chat.completions.create(model="default", max_tokens=4, temperature=0,
                                                 messages=[{"role": "user", "content": "Hi"}])
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def _active(server) -> tuple[int, int]:
+    m = httpx.get(server.url + "/metrics").text
+    val = {ln.split()[0]: float(ln.split()[1]) for ln in m.splitlines()
+           if ln and not ln.startswith("#")}
+    return int(val["specdec_active_requests"]), int(val["specdec_cancelled_total"])
+
+
+def test_non_streaming_client_that_disconnects_frees_its_slot_while_tokens_flow(server):
+    body = {"model": "default", "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 400, "temperature": 0}
+    _, cancelled = _active(server)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up mid-generation
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=3.0)
+    deadline = time.time() + 60
+    while time.time() < deadline and _active(server) != (0, cancelled + 1):
+        time.sleep(0.2)
+    assert _active(server) == (0, cancelled + 1)
