@@ -77,17 +77,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         metrics.add(request_errors_total=1)
         return APIError(500, f"internal error: {e}", type="server_error").response()
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Any) -> Any:
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return APIError(401, "missing or invalid API key",
-                                type="authentication_error", code="invalid_api_key").response()
-        size = request.headers.get("content-length")
-        if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return APIError(413, f"request body over {MAX_BODY_BYTES} bytes",
-                            code="request_too_large").response()
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=api_key)
 
     async def read_body(request: Request) -> Any:
         raw = await request.body()
@@ -196,6 +186,33 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         compile_pool.shutdown(wait=False, cancel_futures=True)
 
     return app
+
+
+class Guard:
+    """API key and body-size checks, as plain ASGI middleware: unlike an `@app.middleware`
+    function (BaseHTTPMiddleware) it leaves the receive channel alone, so handlers see a
+    client's disconnect (`Request.is_disconnected`) while tokens are still flowing."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                       for k, v in scope.get("headers", [])}
+            error = None
+            if self.api_key and scope["path"].startswith("/v1/") and \
+                    headers.get("authorization") != f"Bearer {self.api_key}":
+                error = APIError(401, "missing or invalid API key",
+                                 type="authentication_error", code="invalid_api_key")
+            size = headers.get("content-length", "")
+            if error is None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+                error = APIError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                                 code="request_too_large")
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _usage(job: Job, completion_tokens: int) -> dict[str, Any]:
