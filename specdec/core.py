@@ -37,11 +37,12 @@ from collections.abc import Generator, Sequence
 
 from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId,
                      check_matcher)
+from .decode import PREFILL_CHUNK
+from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 from .speculative import SpecConfig, SpecStats, _draft, _trim, verify_masks
 
-PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -140,19 +141,13 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
         return
     t0 = time.perf_counter()
     head = list(s.prompt[:-1])
-    fill = kv_store.prefill if kv_store is not None else _prefill_plain
+    fill = kv_store.prefill if kv_store is not None else prefill_tokens
     fill(models.target, head, s.t_cache)
     if s.d_cache:
         fill(models.draft, head, s.d_cache)
     mx.eval([c.state for c in s.t_cache + s.d_cache])
     s.to_prefill = 0
     s.stats.prefill_s += time.perf_counter() - t0
-
-
-def _prefill_plain(model: nn.Module, tokens: list[TokenId], cache: list) -> None:
-    for at in range(0, len(tokens), PREFILL_CHUNK):
-        model(mx.array([tokens[at:at + PREFILL_CHUNK]], dtype=mx.int32), cache=cache)
-        mx.eval([c.state for c in cache])
 
 
 def prefill_chunk(models: Models, s: DecodeState, chunk: int = PREFILL_CHUNK,
