@@ -30,7 +30,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from llguidance import LLMatcher
-from mlx_lm.models.cache import make_prompt_cache
 
 from . import ragged
 from collections.abc import Generator, Sequence
@@ -96,6 +95,10 @@ class DecodeState:
     def done(self) -> bool:
         return self.finish is not None or self.error is not None
 
+    def release(self) -> None:
+        """Drop the caches (a finished request gives its slab slots back)."""
+        self.t_cache, self.d_cache = [], []
+
     @property
     def ready(self) -> bool:
         """Prefilled: it can take part in rounds."""
@@ -127,8 +130,8 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     use_draft = spec is not None and models.draft is not None
     s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
                     stats if stats is not None else SpecStats(),
-                    make_prompt_cache(models.target),
-                    make_prompt_cache(models.draft) if use_draft else [], list(prompt))
+                    ragged.make_cache(models.target),
+                    ragged.make_cache(models.draft) if use_draft else [], list(prompt))
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if spec is not None and spec.lookup:
         s.index = NgramIndex(s.seq)
@@ -360,6 +363,7 @@ def decode_rounds(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
             if s.finish is not None:
                 return s.finish
     finally:
+        s.release()
         if timings is not None and timings is not stats:
             for name in ("prefill_s", "mask_s", "wait_s", "steps"):
                 setattr(timings, name, getattr(stats, name))

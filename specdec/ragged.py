@@ -14,12 +14,17 @@ one request per forward.
 
 from __future__ import annotations
 
+import heapq
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 
 def _inner(model: nn.Module) -> Any:
@@ -76,7 +81,10 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
     bounds = [0]
     for n in lens:
         bounds.append(bounds[-1] + n)
-    for li, layer in enumerate(inner.layers):
+    slab = _slab_segments(segments)
+    if slab is not None:
+        h = _attend_slab(inner, h, segments, slab)
+    for li, layer in enumerate(inner.layers if slab is None else ()):
         a = layer.self_attn
         x = layer.input_layernorm(h)
         q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)  # (1, N, *)
@@ -110,6 +118,266 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
         out.append(logits[at:at + r] if r else None)
         at += r
     return out
+
+
+class Slab:
+    """KV storage shared by the requests of one model: per layer, keys and values of shape
+    (slots, kv_heads, capacity, head_dim); a request owns one slot (`SlotCache` per layer).
+
+    One array per layer lets `forward` update and attend over every request's cache with a
+    constant number of operations per layer, however many requests share the round. Slots are
+    taken lowest first, so active requests sit in a dense range; capacity grows in steps of
+    256 positions to the longest request's need. All memory is released when the last slot
+    is freed. Not for concurrent decoding threads on one model (one decode thread owns it).
+    """
+
+    STEP = 256
+
+    def __init__(self, n_layers: int) -> None:
+        self.n_layers = n_layers
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.cap = 0
+        self._n = 0  # slot ids handed out so far (ids < _n are live or in _free)
+        self._free: list[int] = []
+        self._live = 0
+        self._lock = threading.RLock()
+
+    def alloc(self) -> _Slot:
+        with self._lock:
+            if self._free:
+                i = heapq.heappop(self._free)
+            else:
+                i, self._n = self._n, self._n + 1
+            self._live += 1
+            return _Slot(self, i)
+
+    def _release(self, i: int) -> None:
+        with self._lock:
+            self._live -= 1
+            if self._live == 0:  # nobody left: give the memory back
+                self.keys, self.values, self.cap, self._n, self._free = [], [], 0, 0, []
+            else:
+                heapq.heappush(self._free, i)
+
+    @property
+    def slots(self) -> int:
+        """Slots the arrays hold now (>= the live slots)."""
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def ensure(self, cap: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
+        """Make every slot handed out hold at least `cap` positions."""
+        with self._lock:
+            need_s = max(self._n, 1)
+            if not self.keys:
+                c = -(-cap // self.STEP) * self.STEP
+                self.keys = [mx.zeros((need_s, kv_heads, c, k_dim), dtype)
+                             for _ in range(self.n_layers)]
+                self.values = [mx.zeros((need_s, kv_heads, c, v_dim), dtype)
+                               for _ in range(self.n_layers)]
+                self.cap = c
+                return
+            s = self.slots
+            if need_s > s:  # more requests than slots: double
+                add = max(need_s - s, s)
+                self.keys = [mx.concatenate([k, mx.zeros((add, *k.shape[1:]), k.dtype)])
+                             for k in self.keys]
+                self.values = [mx.concatenate([v, mx.zeros((add, *v.shape[1:]), v.dtype)])
+                               for v in self.values]
+            if cap > self.cap:
+                add = -(-(cap - self.cap) // self.STEP) * self.STEP
+                self.keys = [mx.concatenate(
+                    [k, mx.zeros((k.shape[0], k.shape[1], add, k.shape[3]), k.dtype)], axis=2)
+                    for k in self.keys]
+                self.values = [mx.concatenate(
+                    [v, mx.zeros((v.shape[0], v.shape[1], add, v.shape[3]), v.dtype)], axis=2)
+                    for v in self.values]
+                self.cap += add
+            mx.eval(self.keys, self.values)
+
+
+class _Slot:
+    """A request's slot in a `Slab`; freed when the last of its layer caches goes."""
+
+    def __init__(self, slab: Slab, i: int) -> None:
+        self.slab, self.i = slab, i
+        weakref.finalize(self, slab._release, i)
+
+
+class SlotCache(KVCache):
+    """One layer of a request's KV cache, stored in its `Slab` slot. Behaves as mlx-lm's
+    `KVCache` for `model(tokens, cache=...)` (prefill, the per-request path) and lets
+    `forward` batch attention over all requests of a slab."""
+
+    def __init__(self, slot: _Slot, layer: int) -> None:  # noqa: D107 (no KVCache buffers)
+        self.slot, self.layer, self.offset = slot, layer, 0
+
+    @property
+    def keys(self) -> mx.array | None:  # type: ignore[override]
+        s = self.slot.slab
+        return s.keys[self.layer][self.slot.i:self.slot.i + 1, :, :self.offset] \
+            if s.keys and self.offset else None
+
+    @property
+    def values(self) -> mx.array | None:  # type: ignore[override]
+        s = self.slot.slab
+        return s.values[self.layer][self.slot.i:self.slot.i + 1, :, :self.offset] \
+            if s.values and self.offset else None
+
+    def _write(self, keys: mx.array, values: mx.array, at: int) -> None:
+        s, n = self.slot.slab, keys.shape[2]
+        s.ensure(at + n, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        s.keys[self.layer][self.slot.i, :, at:at + n] = keys[0]
+        s.values[self.layer][self.slot.i, :, at:at + n] = values[0]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._write(keys, values, self.offset)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values, self.offset
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        keys, values, offset = v
+        self.offset = 0
+        if offset:
+            self._write(keys[..., :offset, :], values[..., :offset, :], 0)
+        self.offset = offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        k, v = self.keys, self.values
+        return 0 if k is None else k.nbytes + v.nbytes
+
+
+_SLABS: dict[int, tuple[weakref.ref, Slab]] = {}  # id(model) -> (model, its slab)
+
+
+def make_cache(model: nn.Module) -> list:
+    """A request's per-layer caches: slots of the model's `Slab` when `forward` batches the
+    model, else mlx-lm's own caches."""
+    if not supports(model):
+        return make_prompt_cache(model)
+    slab = slab_of(model)
+    if slab is None:
+        slab = Slab(len(_inner(model).layers))
+        key = id(model)
+        _SLABS[key] = (weakref.ref(model, lambda _: _SLABS.pop(key, None)), slab)
+    slot = slab.alloc()
+    return [SlotCache(slot, i) for i in range(slab.n_layers)]
+
+
+def slab_of(model: nn.Module) -> Slab | None:
+    """The model's slab, when one was made (for metrics and tests)."""
+    entry = _SLABS.get(id(model))
+    return entry[1] if entry is not None and entry[0]() is model else None
+
+
+# Segments up to this many tokens attend in one batched call per layer (decode and verify
+# rows); longer ones (prefill chunks) attend per request, where padding would cost more than
+# the per-request operations.
+BATCH_ATTENTION_MAX_T = 32
+
+
+def _slab_segments(segments: Sequence[tuple[Sequence[int], list]]) -> Slab | None:
+    """The slab every segment's cache lives in, when they share one and are short enough."""
+    first = segments[0][1]
+    if not first or not isinstance(first[0], SlotCache):
+        return None
+    slab = first[0].slot.slab
+    seen: set[int] = set()
+    for toks, cache in segments:
+        if (len(toks) > BATCH_ATTENTION_MAX_T or not cache or not isinstance(cache[0], SlotCache)
+                or cache[0].slot.slab is not slab or cache[0].slot.i in seen):
+            return None
+        seen.add(cache[0].slot.i)
+    return slab
+
+
+def _attend_slab(inner: nn.Module, h: mx.array, segments, slab: Slab) -> mx.array:
+    """Every layer over all segments, attention batched over the slab's slot range: one
+    write of the new keys/values, one masked attention call per layer. Rows are padded to the
+    longest segment and slots not in this round are dummy rows; masking (-inf scores, zero
+    weights) keeps each request's result equal to its attention alone on the reference BLAS
+    (`tests/test_batching.py`)."""
+    lens = [len(t) for t, _ in segments]
+    tm = max(lens)
+    slots = [c[0].slot.i for _, c in segments]
+    offs = [c[0].offset for _, c in segments]
+    lo, hi = min(slots), max(slots) + 1
+    bq = hi - lo
+    a0 = inner.layers[0].self_attn
+    n_heads, kv_heads = a0.n_heads, a0.n_kv_heads
+    k_dim = a0.k_proj.weight.shape[0] // kv_heads
+    v_dim = a0.v_proj.weight.shape[0] // kv_heads
+    slab.ensure(max(offs) + tm, kv_heads, k_dim, v_dim, h.dtype)
+    cap = slab.cap
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    row_of = {s: b for b, s in enumerate(slots)}
+    # Query rows (bq, tm): a segment's rows (padding repeats its last), dummy rows for slots
+    # not in the round (row 0, attending to their position 0 only).
+    q_rows, q_off = [], []
+    for j in range(bq):
+        b = row_of.get(lo + j)
+        q_rows += [0] * tm if b is None else [starts[b] + min(t, lens[b] - 1)
+                                              for t in range(tm)]
+        q_off.append(0 if b is None else offs[b])
+    kv_rows = [starts[b] + min(t, lens[b] - 1) for b in range(len(lens)) for t in range(tm)]
+    writes = [(s * kv_heads + hh) * cap + o + t
+              for s, o in zip(slots, offs) for hh in range(kv_heads) for t in range(tm)]
+    span = max(o + tm for o in offs)
+    kpos = np.arange(span)[None, None, :]
+    qpos = (np.array(q_off)[:, None] + np.arange(tm)[None, :])[:, :, None]
+    allowed = kpos <= qpos
+    for j in range(bq):
+        if lo + j not in row_of:
+            allowed[j] = kpos[0] == 0
+    mask = mx.array(allowed[:, None])  # (bq, 1, tm, span)
+    back = mx.array([(s - lo) * tm + t for s, n in zip(slots, lens) for t in range(n)])
+    q_rows_a, kv_rows_a = mx.array(q_rows), mx.array(kv_rows)
+    q_off_a, kv_off_a = mx.array(q_off), mx.array(offs)
+    writes_a = mx.array(writes)
+    b = len(lens)
+    for li, layer in enumerate(inner.layers):
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, k, v = a.q_proj(x)[0], a.k_proj(x)[0], a.v_proj(x)[0]  # (N, *)
+        q = q[q_rows_a].reshape(bq, tm, n_heads, k_dim).transpose(0, 2, 1, 3)
+        k = k[kv_rows_a].reshape(b, tm, kv_heads, k_dim).transpose(0, 2, 1, 3)
+        v = v[kv_rows_a].reshape(b, tm, kv_heads, v_dim).transpose(0, 2, 1, 3)
+        q = a.rope(q, offset=q_off_a)
+        k = a.rope(k, offset=kv_off_a)
+        kf = slab.keys[li].reshape(-1, k_dim)
+        vf = slab.values[li].reshape(-1, v_dim)
+        kf[writes_a] = k.reshape(-1, k_dim)
+        vf[writes_a] = v.reshape(-1, v_dim)
+        slab.keys[li] = kf.reshape(-1, kv_heads, cap, k_dim)
+        slab.values[li] = vf.reshape(-1, kv_heads, cap, v_dim)
+        o = mx.fast.scaled_dot_product_attention(
+            q, slab.keys[li][lo:hi, :, :span], slab.values[li][lo:hi, :, :span],
+            scale=a.scale, mask=mask)
+        o = o.transpose(0, 2, 1, 3).reshape(bq * tm, -1)[back][None]
+        h = h + a.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    for (toks, cache) in segments:
+        for c in cache:
+            c.offset += len(toks)
+    return h
 
 
 from mlx_lm.models import llama as _llama  # noqa: E402

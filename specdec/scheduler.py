@@ -158,6 +158,8 @@ class Scheduler:
             if t.cancelled.is_set():
                 self.stats.cancelled += 1
                 self._active.remove(t)
+                if t.state is not None:
+                    t.state.release()
             elif t.state is None:
                 try:
                     t.state = t.start()
@@ -195,6 +197,8 @@ class Scheduler:
         if t in self._active:
             self._active.remove(t)
         seconds = time.perf_counter() - t.t0
+        if t.state is not None:
+            t.state.release()
         if error is not None:
             t.sink(Event(error=error, seconds=seconds))
             return

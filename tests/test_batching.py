@@ -128,8 +128,8 @@ def _segments_alone(model, prompt, steps):
 
 
 def _segments_batched(model, prompt, steps, rng: random.Random):
-    c = make_prompt_cache(model)
-    neighbours = [make_prompt_cache(model) for _ in range(rng.randrange(1, 8))]
+    c = ragged.make_cache(model)
+    neighbours = [ragged.make_cache(model) for _ in range(rng.randrange(1, 8))]
     outs = []
     for seg in [prompt, *steps]:
         batch = [([rng.randrange(300, 9000) for _ in range(rng.randrange(1, 9))], nc)
