@@ -40,7 +40,7 @@ from .decode import PREFILL_CHUNK
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
-from .speculative import SpecConfig, SpecStats, _draft, _trim, verify_masks
+from .speculative import SpecConfig, SpecStats, _trim, draft_steps, verify_masks
 
 
 
@@ -215,15 +215,8 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         return
     for s in live:
         s.stats.rounds += s.spec is not None
-    # 1. Propose.
-    props: list[list[TokenId]] = []
-    sources: list[list[str]] = []
-    feds: list[int] = []
-    for s in live:
-        p, src, fed = _propose(models, s)
-        props.append(p)
-        sources.append(src)
-        feds.append(fed)
+    # 1. Propose: every request's proposers in lock-step, one batched draft forward per step.
+    props, sources, feds = _propose_all(models, live)
     # 2. Verify forward, queued; the host fills the mask rows meanwhile.
     t0 = time.perf_counter()
     segments = [([s.seq[-1], *p], s.t_cache) for s, p in zip(live, props)]
@@ -277,20 +270,52 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
             _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i])
 
 
-def _propose(models: Models, s: DecodeState) -> tuple[list[TokenId], list[str], int]:
-    if s.spec is None or s.max_tokens - s.emitted <= 1:
-        return [], [], 0
+def _propose_all(models: Models, live: Sequence[DecodeState]
+                 ) -> tuple[list[list[TokenId]], list[list[str]], list[int]]:
+    """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
+    forwards they ask for at the same step run as one ragged forward, and their picks are
+    evaluated with one sync per step. Returns (proposals, sources, fed) per request."""
     t0 = time.perf_counter()
-    if s.index is not None:
-        s.index.extend(s.seq[len(s.index.tokens):])
-    draft = models.draft if s.d_cache else None
-    p, src, fed = _draft(draft, s.d_cache, s.seq, s.max_tokens - s.emitted - 1, s.matcher,
-                         s.params, s.spec, s.stats, set(s.eos), models.vocab_size,
-                         models.draft_vocab_size if draft is not None else models.vocab_size,
-                         s.emitted, s.index)
-    s.stats.draft_s += time.perf_counter() - t0
-    s.stats.proposed += len(p)
-    return p, src, fed
+    out: list[tuple[list[TokenId], list[str], int]] = [([], [], 0)] * len(live)
+    gens: dict[int, Generator] = {}
+    asks: dict[int, tuple[str, object]] = {}
+    for i, s in enumerate(live):
+        if s.spec is None or s.max_tokens - s.emitted <= 1:
+            continue
+        if s.index is not None:
+            s.index.extend(s.seq[len(s.index.tokens):])
+        draft = models.draft if s.d_cache else None
+        # Batched, no forced/looked-up run-on past k (see `draft_steps`).
+        gens[i] = draft_steps(draft, s.d_cache, s.seq, s.max_tokens - s.emitted - 1, s.matcher,
+                              s.params, s.spec, s.stats, set(s.eos), models.vocab_size,
+                              models.draft_vocab_size if draft is not None
+                              else models.vocab_size, s.emitted, s.index,
+                              run_on=len(live) == 1)
+        asks[i] = ("start", None)
+    replies: dict[int, object] = {i: None for i in gens}
+    while gens:
+        for i in list(gens):
+            try:
+                asks[i] = gens[i].send(replies[i])
+            except StopIteration as done:
+                out[i] = done.value
+                del gens[i]
+        replies = {i: None for i in gens}
+        fwd = [i for i in gens if asks[i][0] == "forward"]
+        if fwd:
+            logits = ragged.forward(models.draft, [(asks[i][1], live[i].d_cache) for i in fwd],
+                                    rows=[1] * len(fwd))
+            for i, x in zip(fwd, logits):
+                replies[i] = x[-1]
+        evals = [a for i in gens if asks[i][0] == "eval" for a in asks[i][1]]
+        if evals:
+            mx.eval(evals)
+    spent = (time.perf_counter() - t0) / max(1, sum(s.spec is not None for s in live))
+    for s, (p, _, _) in zip(live, out):
+        if s.spec is not None:
+            s.stats.draft_s += spent
+            s.stats.proposed += len(p)
+    return [list(p) for p, _, _ in out], [list(x) for _, x, _ in out], [f for _, _, f in out]
 
 
 def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,

@@ -156,17 +156,30 @@ class MappedDraft(nn.Module):
         # Output gather: target id -> draft logit, or the appended -inf column.
         self._from_draft = mx.array(np.where(to_draft == unk, unk, to_draft).astype(np.int32))
         self._unk = unk
+        self._to_draft_np = to_draft
         self.freeze()
+
+    @property
+    def ragged_inner(self) -> nn.Module:
+        """The model `ragged.forward` batches (over draft ids, see `map_ids`/`map_logits`)."""
+        return self.inner
+
+    def map_ids(self, tokens: Any) -> list[int]:
+        """Target ids -> the inner model's ids."""
+        return self._to_draft_np[np.asarray(tokens, dtype=np.int64)].tolist()
+
+    def map_logits(self, logits: mx.array) -> mx.array:
+        """The inner model's logits (..., Vd + 1) -> target-width logits (-inf off-vocabulary)."""
+        ninf = mx.full((*logits.shape[:-1], 1), -mx.inf, dtype=logits.dtype)
+        logits = mx.concatenate([logits[..., :self._unk], ninf], axis=-1)
+        return mx.take(logits, self._from_draft, axis=-1)
 
     @property
     def layers(self) -> list[nn.Module]:
         return self.inner.layers
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        logits = self.inner(self._to_draft[inputs], cache=cache)  # (B, T, Vd + 1)
-        ninf = mx.full((*logits.shape[:-1], 1), -mx.inf, dtype=logits.dtype)
-        logits = mx.concatenate([logits[..., :self._unk], ninf], axis=-1)
-        return mx.take(logits, self._from_draft, axis=-1)  # (B, T, V)
+        return self.map_logits(self.inner(self._to_draft[inputs], cache=cache))  # (B, T, V)
 
 
 def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:

@@ -31,8 +31,15 @@ def _inner(model: nn.Module) -> Any:
     return getattr(model, "model", None)
 
 
+def _base(model: nn.Module) -> nn.Module:
+    """The mlx-lm model inside a wrapper that maps ids and logits around it (a pruned-vocabulary
+    draft: `ragged_inner`, `map_ids`, `map_logits`), else the model itself."""
+    return getattr(model, "ragged_inner", None) or model
+
+
 def supports(model: nn.Module) -> bool:
     """Whether `model` has the llama block layout `forward` batches over."""
+    model = _base(model)
     inner = _inner(model)
     layers = getattr(inner, "layers", None)
     if inner is None or not layers or not hasattr(inner, "embed_tokens"):
@@ -66,6 +73,10 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
         one (rows_i, V) logits array per segment (None where rows_i is 0).
     """
     rows = [len(t) for t, _ in segments] if rows is None else list(rows)
+    base = _base(model)
+    if base is not model and supports(base):
+        out = forward(base, [(model.map_ids(t), c) for t, c in segments], rows)
+        return [None if x is None else model.map_logits(x) for x in out]
     if not supports(model):
         out: list[mx.array | None] = []
         for (toks, cache), r in zip(segments, rows):
@@ -271,6 +282,7 @@ def make_cache(model: nn.Module) -> list:
     model, else mlx-lm's own caches."""
     if not supports(model):
         return make_prompt_cache(model)
+    model = _base(model)
     slab = slab_of(model)
     if slab is None:
         slab = Slab(len(_inner(model).layers))
@@ -282,6 +294,7 @@ def make_cache(model: nn.Module) -> list:
 
 def slab_of(model: nn.Module) -> Slab | None:
     """The model's slab, when one was made (for metrics and tests)."""
+    model = _base(model)
     entry = _SLABS.get(id(model))
     return entry[1] if entry is not None and entry[0]() is model else None
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance.numpy as llnp
 import mlx.core as mx
@@ -172,10 +173,11 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
         timings=stats if stats is not None else SpecStats(), kv_store=kv_store))
 
 
-def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
+def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
            matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
-           index: NgramIndex | None = None) -> tuple[list[TokenId], list[str], int]:
+           index: NgramIndex | None = None, run_on: bool = True
+           ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
 
@@ -190,7 +192,9 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
         return props, sources, 0
     # The draft model proposes up to k per round; forced and looked-up tokens (no draft step,
     # and usually accepted) may run on to 2k, capped by the token budget.
-    k_model, kk = min(spec.k, kk), min(spec.cheap_k, kk)
+    # run_on=False (a batched round, where every verify row costs and the longest request
+    # sets everyone's attention width): k in all.
+    k_model, kk = min(spec.k, kk), min(spec.cheap_k if run_on else spec.k, kk)
     clone = None
     if matcher is not None and (spec.draft_masking or spec.forced_drafting or index):
         clone = matcher.deep_copy()
@@ -221,7 +225,7 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
         elif draft is None or j >= k_model:
             break  # no model (or its share is spent): stop at the first open position
         else:
-            logits = draft(mx.array([feed], dtype=mx.int32), cache=d_cache)[0, -1]  # (Vd,)
+            logits = yield ("forward", feed)  # (Vd,)
             fed, feed = len(props), []
             if clone is not None and spec.draft_masking:
                 logits = apply_mask(logits, unpack_bitmask(mx.array(row[0]), draft_vocab))
@@ -236,7 +240,7 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
             p_pick = (mx.softmax(logits / scale, axis=-1)[choice] if spec.draft_min_prob > 0
                       else mx.array(1.0))
             picked = logits[choice]
-            mx.eval(choice, picked, p_pick)
+            yield ("eval", (choice, picked, p_pick))
             if picked.item() == -np.inf:
                 break
             if p_pick.item() < spec.draft_min_prob:
@@ -256,6 +260,23 @@ def _draft(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
             if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it
                 break
     return props, sources, fed
+
+
+def _draft(draft: nn.Module | None, d_cache: list, *args: Any, **kwargs: Any
+           ) -> tuple[list[TokenId], list[str], int]:
+    """`draft_steps` for one request, its draft forwards run one at a time."""
+    gen = draft_steps(draft, d_cache, *args, **kwargs)
+    reply = None
+    while True:
+        try:
+            what, arg = gen.send(reply)
+        except StopIteration as done:
+            return done.value
+        if what == "forward":
+            reply = draft(mx.array([arg], dtype=mx.int32), cache=d_cache)[0, -1]
+        else:
+            mx.eval(*arg)
+            reply = None
 
 
 def mask_allows(row: np.ndarray, token: TokenId) -> bool:
