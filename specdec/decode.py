@@ -81,10 +81,14 @@ class PromptKVCache:
     Repeated prompts (a shared system prompt, retries, the same request plain and
     speculative) skip their prefill. A restored state is bit-identical to recomputing it, so
     outputs do not change. Not thread-safe: owned by the engine's decode thread.
+
+    Bounded in entries (`capacity`; a speculative request stores two: target and draft) and
+    in bytes (`max_bytes`, the stored arrays); least recently used entries go first.
     """
 
-    def __init__(self, capacity: int = 8) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = 64, max_bytes: int = 1 << 30) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.nbytes = 0
         self._entries: OrderedDict[tuple[int, tuple[int, ...]],
                                    tuple[nn.Module, list, mx.array | None]]
         self._entries = OrderedDict()
@@ -128,9 +132,24 @@ class PromptKVCache:
     def _put(self, key: tuple[int, tuple[int, ...]], model: nn.Module, cache: list,
              logits: mx.array | None) -> None:
         if self.capacity > 0:
-            self._entries[key] = (model, [_copy_state(c.state) for c in cache], logits)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= _entry_bytes(old)
+            states = [_copy_state(c.state) for c in cache]
+            mx.eval(states)  # own copies now, not views of a live cache
+            entry = (model, states, logits)
+            self._entries[key] = entry
+            self.nbytes += _entry_bytes(entry)
+            while self._entries and (len(self._entries) > self.capacity
+                                     or self.nbytes > self.max_bytes):
+                self.nbytes -= _entry_bytes(self._entries.popitem(last=False)[1])
+
+
+def _entry_bytes(entry: tuple) -> int:
+    arrays = [a for st in entry[1] for a in st if isinstance(a, mx.array)]
+    if entry[2] is not None:
+        arrays.append(entry[2])
+    return sum(a.nbytes for a in arrays)
 
 
 def _copy_state(state: tuple) -> tuple:

@@ -2,14 +2,25 @@
 
 Each request contributes its own run of tokens (its verify rows: the last token plus its
 proposals, or one token when decoding plainly, or a prefill chunk) and its own KV cache. The
-weight matmuls (q/k/v/o projections, MLP, head) run once over all rows concatenated; RoPE,
-the cache update and attention run per request over its own cache, with exactly the shapes it
-would have alone. A matmul computes each output row from that row alone on the reference BLAS,
-so a request's logits do not depend on its neighbours (tests/test_ragged.py measures it).
+weight matmuls (q/k/v/o projections, MLP, head) run once over all rows concatenated.
+
+Attention: a request's cache is a slot of its model's `Slab` (one keys and one values array
+per layer for all requests, `make_cache`). Short segments (decode and verify rows) write
+their new keys/values with one scatter per layer and attend in one masked call over the
+slab's slot range, rows padded to the longest segment; the mask gives padded and foreign
+positions -inf scores and so zero weight. Long segments (prefill chunks), and caches that are
+not slab slots, take RoPE, the cache update and attention per request with exactly the
+shapes they would have alone.
+
+Batch invariance: a matmul computes each output row from that row alone on the reference
+BLAS, its reductions run in a fixed order over the reduced axis and zero-weighted positions
+add exact zeros, so a request's logits do not depend on its neighbours or on the padding
+(tests/test_batching.py compares them bitwise with mlx-lm's own forward alone).
 
 Supported: mlx-lm's llama-family `Model` classes (llama, mistral, qwen2 and others with the
-same block layout). `supports(model)` says whether a model can be batched this way; others run
-one request per forward.
+same block layout), also inside a wrapper that maps ids and logits (a pruned-vocabulary
+draft). `supports(model)` says whether a model can be batched this way; others run one
+request per forward with mlx-lm's own caches.
 """
 
 from __future__ import annotations
