@@ -230,7 +230,8 @@ def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
             "forced": stats.forced, "looked_up": stats.looked_up, "drafted": stats.drafted,
             "drafted_accepted": stats.drafted_accepted, "grammar_cuts": stats.grammar_cuts,
             "mask_s": round(stats.mask_s, 6), "prefill_s": round(stats.prefill_s, 6),
-            "seconds": round(seconds, 6), "warnings": list(warnings)}
+            "seconds": round(seconds, 6), "warnings": list(warnings),
+            **({"spec_off": stats.spec_off} if getattr(stats, "spec_off", "") else {})}
 
 
 def _error_of(e: Exception) -> APIError:

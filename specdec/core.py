@@ -23,6 +23,7 @@ drives rounds for the server.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,9 @@ from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 from .speculative import SpecConfig, SpecStats, _trim, draft_steps, verify_masks
+
+log = logging.getLogger("specdec")
+_SAID: set[str] = set()  # reasons for limited speculation already logged
 
 
 
@@ -127,11 +131,29 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
                          f"{models.vocab_size}")
     if matcher is not None:
         check_matcher(matcher, 0)
-    use_draft = spec is not None and models.draft is not None
+    stats = stats if stats is not None else SpecStats()
+    t_cache = ragged.make_cache(models.target)
+    d_cache: list = []
+    if spec is not None:
+        # Speculation needs caches that drop rejected proposals exactly; where one cannot,
+        # the request decodes plainly (or without the draft model), and says why.
+        horizon = len(prompt) + max_tokens + spec.cheap_k + 1
+        why = ragged.untrimmable(t_cache, horizon)
+        if why is not None:
+            stats.spec_off = f"plain decoding: target {why}"
+            spec = None
+        elif models.draft is not None:
+            d_cache = ragged.make_cache(models.draft)
+            why = ragged.untrimmable(d_cache, horizon)
+            if why is not None:
+                stats.spec_off = f"no draft model: draft {why}"
+                d_cache = []
+        if stats.spec_off:
+            level = logging.DEBUG if stats.spec_off in _SAID else logging.WARNING
+            _SAID.add(stats.spec_off)
+            log.log(level, "speculation limited: %s (said once per reason)", stats.spec_off)
     s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
-                    stats if stats is not None else SpecStats(),
-                    ragged.make_cache(models.target),
-                    ragged.make_cache(models.draft) if use_draft else [], list(prompt))
+                    stats, t_cache, d_cache, list(prompt))
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if spec is not None and spec.lookup:
         s.index = NgramIndex(s.seq)

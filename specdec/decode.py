@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
+from mlx.utils import tree_map
 from llguidance import LLMatcher
 
 from .sampling import SamplingParams
@@ -104,8 +106,9 @@ class PromptKVCache:
             for c, state in zip(cache, entry[1]):
                 c.state = _copy_state(state)  # fresh objects: decoding never writes the store
             return entry[2]
-        logits = prefill(model, prompt, cache)
-        mx.eval(logits, [c.state for c in cache])
+        # The last position's row alone: a view would keep the chunk's (T, V) logits alive.
+        logits = mx.array(np.array(prefill(model, prompt, cache)))
+        mx.eval([c.state for c in cache])
         self._put(key, model, cache, logits)
         return logits
 
@@ -152,8 +155,10 @@ def _entry_bytes(entry: tuple) -> int:
     return sum(a.nbytes for a in arrays)
 
 
-def _copy_state(state: tuple) -> tuple:
-    return tuple(mx.array(a) if isinstance(a, mx.array) else a for a in state)
+def _copy_state(state: Any) -> Any:
+    """A deep copy of a cache's `state`, whatever its nesting (a recurrent cache's state
+    holds a list that the live cache mutates in place; a cache list nests states)."""
+    return tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, state)
 
 
 def check_matcher(matcher: LLMatcher, position: int | None = None) -> None:

@@ -216,8 +216,11 @@ def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:
                              int(tm["unk"]))
         vocab_size = int(tm["target_vocab_size"])
     eos = config.get("eos_token_id", [])
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids = {i for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
     hf_tok = getattr(wrapper, "_tokenizer", wrapper)
+    # mlx-lm's wrapper merges generation_config.json's ids (Gemma's <end_of_turn>, Llama 3's
+    # <|eot_id|>) and the tokenizer's own.
+    eos_ids.update(int(i) for i in getattr(wrapper, "eos_token_ids", None) or ())
     if hf_tok.eos_token_id is not None:
         eos_ids.add(int(hf_tok.eos_token_id))
     names = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", DEFAULT_DRAFT: DEFAULT_DRAFT_NAME}

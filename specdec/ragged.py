@@ -35,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import (KVCache, QuantizedKVCache, RotatingKVCache,
+                                  make_prompt_cache)
 
 
 def _inner(model: nn.Module) -> Any:
@@ -301,6 +302,24 @@ def make_cache(model: nn.Module) -> list:
         _SLABS[key] = (weakref.ref(model, lambda _: _SLABS.pop(key, None)), slab)
     slot = slab.alloc()
     return [SlotCache(slot, i) for i in range(slab.n_layers)]
+
+
+def untrimmable(cache: list, horizon: int) -> str | None:
+    """Why rejected proposals could not be trimmed from `cache` exactly within `horizon`
+    positions, or None when they can: plain KV caches trim exactly (an offset moves back);
+    a sliding-window cache only until its window wraps (then rejected keys stay in the ring);
+    recurrent state (mlx-lm's `ArraysCache`, Mamba-style layers) and chunked caches not at
+    all."""
+    for c in cache:
+        if isinstance(c, (SlotCache, QuantizedKVCache)) or type(c) is KVCache:
+            continue
+        if isinstance(c, RotatingKVCache):
+            if horizon < c.max_size:
+                continue
+            return (f"sliding-window cache (window {c.max_size}) would wrap within "
+                    f"{horizon} positions")
+        return f"{type(c).__name__} (recurrent or chunked state) cannot be trimmed"
+    return None
 
 
 def slab_of(model: nn.Module) -> Slab | None:

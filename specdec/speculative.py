@@ -98,6 +98,8 @@ class SpecStats(StepTimings):
             draft model); `*_accepted`: how many of each the target accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
         draft_s, verify_s: time in draft and verify phases.
+        spec_off: why a request that asked for speculation decodes plainly, or the draft
+            model is left out ("" when neither): a cache kind that cannot be trimmed exactly.
     """
 
     rounds: int = 0
@@ -112,6 +114,7 @@ class SpecStats(StepTimings):
     grammar_cuts: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    spec_off: str = ""
 
     @property
     def acceptance_rate(self) -> float:

@@ -51,7 +51,8 @@ def make_engines(target, distilled) -> dict[str, Engine]:
     return engines
 
 
-_PLAIN: dict[tuple, GenerationResult] = {}
+# key -> (the target, kept alive so that its id is never reused by another model, result)
+_PLAIN: dict[tuple, tuple[object, GenerationResult]] = {}
 
 
 def plain(engine: Engine, ids: list[int], constraint: Constraint, sampling: SamplingParams,
@@ -60,10 +61,9 @@ def plain(engine: Engine, ids: list[int], constraint: Constraint, sampling: Samp
     paths with the same plain run)."""
     key = (id(engine.target), tuple(ids), repr(constraint), sampling, max_tokens)
     if key not in _PLAIN:
-        _PLAIN[key] = engine.generate(engine.prepare(ids, constraint=constraint,
-                                                     sampling=sampling,
-                                                     max_tokens=max_tokens, spec=None))
-    return _PLAIN[key]
+        _PLAIN[key] = (engine.target, engine.generate(engine.prepare(
+            ids, constraint=constraint, sampling=sampling, max_tokens=max_tokens, spec=None)))
+    return _PLAIN[key][1]
 
 
 def run_cells(engines: dict[str, Engine], ids: list[int], constraint: Constraint,

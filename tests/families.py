@@ -1,0 +1,179 @@
+"""Small random-weight models of the families people serve on MLX, made locally.
+
+Each family is an mlx-lm model directory like a user's: `config.json` with a real-shaped
+config (its model_type, head layout, norms, window, layer kinds; tiny sizes), random weights
+in `model.safetensors`, a `generation_config.json` with the family's end-of-turn id, and a
+tokenizer of the family's kind trained here with `tokenizers` on a small corpus:
+ByteLevel BPE (Llama 3, Qwen, Phi 3 in this matrix) or SentencePiece-style BPE with byte
+fallback (Gemma, Mistral/Llama 2), each with its chat template. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+CORPUS = [
+    '{"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry"], "active": true}',
+    '{"city": "Zürich", "country": "Schweiz", "temp": -3.5, "note": null}',
+    '{"title": "東京の天気", "summary": "晴れ時々曇り", "score": 0.87}',
+    '{"emoji": "🙂👍🏽", "caf\\u00e9": "crème brûlée", "naïve": false}',
+    "The quick brown fox jumps over the lazy dog. Façade, jalapeño, smörgåsbord.",
+    "Extract the fields as JSON: name, age, city. Answer with one object.",
+    "user assistant system: hello, how are you? I am fine, thank you! 12345 67890",
+    "数据 结构 算法 模型 — 你好，世界。こんにちは世界。안녕하세요.",
+    "[1, 2, 3], {\"a\": {\"b\": [true, false, null]}}, \"x\\ny\", 3.14e-2",
+] * 3
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+          "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+          "{% endif %}")
+GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+         "{{ 'model' if m['role'] == 'assistant' else 'user' }}\n{{ m['content'] }}"
+         "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+         "{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+           "{{ m['content'] }}{{ eos_token }}{% else %}[INST] {{ m['content'] }} [/INST]"
+           "{% endif %}{% endfor %}")
+
+
+@dataclass(frozen=True)
+class TokenizerKind:
+    """A tokenizer shape: `byte_level` (GPT-2 style) or byte fallback (SentencePiece style);
+    its special tokens; which of them are BOS, EOS and the end-of-turn id."""
+
+    byte_level: bool
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    end_of_turn: str
+    template: str
+
+
+TOKENIZERS = {
+    "chatml": TokenizerKind(True, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None,
+                            "<|endoftext|>", "<|im_end|>", CHATML),
+    "llama3": TokenizerKind(True, ("<|begin_of_text|>", "<|end_of_text|>",
+                                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                            "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", LLAMA3),
+    "gemma": TokenizerKind(False, ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>",
+                                   "<end_of_turn>"), "<bos>", "<eos>", "<end_of_turn>", GEMMA),
+    "mistral": TokenizerKind(False, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"), "<s>",
+                             "</s>", "</s>", MISTRAL),
+}
+
+
+def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700) -> int:
+    """Train a BPE tokenizer of this kind on CORPUS into `out`; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    if kind.byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        specials = list(kind.specials)
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                     split=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        alphabet = []
+        # The 256 byte tokens come right after the specials, as in SentencePiece models.
+        specials = list(kind.specials) + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                           "eos_token": kind.eos, "chat_template": kind.template,
+                           "clean_up_tokenization_spaces": False,
+                           "model_max_length": 4096}
+    if kind.bos:
+        cfg["bos_token"] = kind.bos
+    if not kind.byte_level:
+        cfg["unk_token"] = "<unk>"
+        cfg["add_bos_token"] = True
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return tok.get_vocab_size()
+
+
+def _common(vocab: int, **kw: Any) -> dict[str, Any]:
+    base = {"vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 10000.0}
+    base.update(kw)
+    return base
+
+
+# family -> (tokenizer kind, config maker)
+FAMILIES: dict[str, tuple[str, Any]] = {
+    "llama3-untied": ("llama3", lambda v: _common(v, model_type="llama",
+                                                  tie_word_embeddings=False,
+                                                  rope_scaling={"rope_type": "llama3",
+                                                                "factor": 8.0,
+                                                                "low_freq_factor": 1.0,
+                                                                "high_freq_factor": 4.0,
+                                                                "original_max_position_"
+                                                                "embeddings": 1024})),
+    "llama3-tied": ("llama3", lambda v: _common(v, model_type="llama",
+                                                tie_word_embeddings=True)),
+    "qwen2.5": ("chatml", lambda v: _common(v, model_type="qwen2", tie_word_embeddings=True)),
+    "qwen3": ("chatml", lambda v: _common(v, model_type="qwen3", head_dim=16,
+                                          tie_word_embeddings=True)),
+    "gemma3": ("gemma", lambda v: _common(v, model_type="gemma3_text", head_dim=16,
+                                          num_hidden_layers=3, query_pre_attn_scalar=16,
+                                          sliding_window=64, sliding_window_pattern=2,
+                                          rope_local_base_freq=10000.0)),
+    "mistral": ("mistral", lambda v: _common(v, model_type="mistral",
+                                             tie_word_embeddings=False)),
+    "phi3": ("chatml", lambda v: _common(v, model_type="phi3", tie_word_embeddings=False)),
+    "lfm2": ("chatml", lambda v: {
+        "model_type": "lfm2", "vocab_size": v, "hidden_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
+        "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False, "block_ff_dim": 128, "rope_theta": 10000.0,
+        "layer_types": ["conv", "full_attention", "conv"], "tie_embedding": True}),
+}
+
+
+def make_family(name: str, out: Path, seed: int = 0) -> Path:
+    """Write family `name`'s model directory to `out` (random weights from `seed`)."""
+    from mlx_lm.utils import _get_classes
+
+    tok_name, config_of = FAMILIES[name]
+    kind = TOKENIZERS[tok_name]
+    vocab = make_tokenizer(kind, out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    config = config_of(vocab)
+    config["eos_token_id"] = ids[kind.eos]
+    if kind.bos:
+        config["bos_token_id"] = ids[kind.bos]
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    # Scaled weights give clear, seed-specific winners (random small models are near-flat).
+    params = dict(tree_flatten(model.parameters()))
+    for k, v in params.items():
+        if k.endswith("embed_tokens.weight") or k.endswith("lm_head.weight"):
+            params[k] = v * 8
+    mx.eval(params)
+    mx.save_safetensors(str(out / "model.safetensors"), params)
+    (out / "config.json").write_text(json.dumps(config))
+    # The end-of-turn id comes from generation_config.json only, as for Gemma and Llama 3.
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": sorted({ids[kind.eos], ids[kind.end_of_turn]})}))
+    return out

@@ -1,0 +1,139 @@
+"""The model families people serve on MLX (tests/families.py: mlx-lm's own model classes,
+small random weights, real-shaped configs, locally trained ByteLevel and byte-fallback
+tokenizers): plain decoding against the oracle, and the speculative cells against plain,
+greedy and seeded, on the reference BLAS.
+
+Families whose caches cannot drop rejected proposals exactly (recurrent state; a sliding
+window that wraps within the request) decode those requests plainly and say why
+(`stats.spec_off`); the cells still run and must still equal plain.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from oracle import reference_decode
+from specdec import blas
+from specdec.engine import Engine
+from specdec.grammar import Constraint
+from specdec.models import load
+from specdec.speculative import SpecConfig
+from tests import tally
+from tests.exactness import MODES, Cell, plain, run_cells
+from tests.families import FAMILIES, make_family
+
+SCHEMA = Constraint("json_schema", {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "age": {"type": "integer"},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+    "required": ["name", "age", "tags"], "additionalProperties": False})
+MESSAGES = [{"role": "user", "content": "Extract the fields as JSON: Ada, 36, tags a and b."}]
+MAX_TOKENS = 40
+CELLS = [
+    Cell("self", SpecConfig(4, lookup=True)),
+    Cell("self", SpecConfig(2, draft_masking=False)),
+    Cell("self", SpecConfig(4, forced_drafting=False, lookup=True)),
+    Cell("none", SpecConfig(8, lookup=True)),
+]
+# Why a family decodes plainly (None: it speculates).
+PLAIN_BECAUSE = {"lfm2": "ArraysCache", "gemma3": "sliding-window"}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return lambda name: make_family(name, root / name)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_plain_equals_oracle_and_cells_equal_plain(family_dir, name):
+    assert blas.active() == "reference"
+    target = load(str(family_dir(name)))
+    engines = {"self": Engine(target, target), "none": Engine(target, None)}
+    engines["self"].compiler = engines["none"].compiler
+    engines["self"].kv_store = engines["none"].kv_store
+    e = engines["none"]
+    ids = e.chat_prompt(MESSAGES, constrained=True)
+    bad: list[str] = []
+    for mode, params in MODES.items():
+        for constraint in (SCHEMA, None):
+            want = plain(e, ids, constraint, params, MAX_TOKENS) if constraint else \
+                e.generate(e.prepare(ids, sampling=params, max_tokens=MAX_TOKENS, spec=None))
+            g = e.compiled(e.prepare(ids, constraint=constraint)) if constraint else None
+            ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
+                                   eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
+                                   matcher=g.matcher() if g else None,
+                                   temperature=params.temperature, top_k=params.top_k,
+                                   top_p=params.top_p, seed=params.seed or 0)
+            same = list(want.tokens) == list(ref.tokens)
+            tally.record("families: plain vs oracle", same)
+            if not same:
+                bad.append(f"{mode} {'schema' if constraint else 'free'}: plain {want.tokens} "
+                           f"!= oracle {ref.tokens}")
+        bad += run_cells(engines, ids, SCHEMA, params, MAX_TOKENS, CELLS,
+                         f"families: spec cells vs plain ({name})")
+    assert not bad, "\n".join(bad)
+    # Speculating families propose; the others decode plainly and say why.
+    got = engines["self"].generate(engines["self"].prepare(
+        ids, constraint=SCHEMA, max_tokens=MAX_TOKENS, spec=SpecConfig(4, lookup=True)))
+    reason = PLAIN_BECAUSE.get(name)
+    if reason is None:
+        assert got.stats.spec_off == "" and got.stats.proposed > 0
+    else:
+        assert reason in got.stats.spec_off and got.stats.proposed == 0
+    tally.NOTES.append(f"family {name}: "
+                       f"{'speculates' if reason is None else 'plain: ' + got.stats.spec_off}")
+    if name == "gemma3":  # a request that ends before the window wraps speculates
+        short = engines["self"].generate(engines["self"].prepare(
+            ids, constraint=SCHEMA, max_tokens=6, spec=SpecConfig(4, lookup=True)))
+        assert len(ids) + 6 + 8 < 64
+        assert short.stats.spec_off == "" and short.stats.proposed > 0
+        assert short.tokens == plain(e, ids, SCHEMA, MODES["greedy"], 6).tokens
+
+
+def test_recurrent_family_served_with_lookup_and_a_draft_never_fails(family_dir):
+    # A hybrid model (recurrent conv state: no exact trim) served with a draft model and
+    # prompt lookup on: 20 requests in a row, streaming and not, constrained and not; each
+    # decodes plainly, says why, and answers what plain decoding answers.
+    import json
+
+    import httpx
+
+    from tests.serverproc import Server
+
+    target = family_dir("lfm2")
+    draft = make_family("lfm2", target.parent / "lfm2-draft", seed=1)
+    s = Server("--model", str(target), "--draft-model", str(draft), "--num-draft-tokens", "4")
+    try:
+        client = s.client()
+        for i in range(20):
+            kind = ["schema", "free", "schema-stream", "free-stream"][i % 4]
+            body: dict = {"model": "default", "max_tokens": 24, "messages": MESSAGES,
+                          "temperature": 0 if i % 3 else 0.7, "seed": i}
+            if kind.startswith("schema"):
+                body["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": "x", "schema": SCHEMA.value}}
+            plain_body = dict(body, num_draft_tokens=0)
+            if kind.endswith("stream"):
+                parts = []
+                with client.chat.completions.create(stream=True, **{
+                        k: v for k, v in body.items() if k not in ("seed",)},
+                        seed=i) as stream:
+                    for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            parts.append(chunk.choices[0].delta.content)
+                text = "".join(parts)
+            else:
+                r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300)
+                assert r.status_code == 200, r.text
+                ext = r.json()["specdec"]
+                assert "ArraysCache" in ext.get("spec_off", ""), ext
+                text = r.json()["choices"][0]["message"]["content"]
+            want = httpx.post(s.url + "/v1/chat/completions", json=plain_body, timeout=300)
+            assert want.status_code == 200, want.text
+            assert text == want.json()["choices"][0]["message"]["content"], (i, kind)
+            if kind.startswith("schema") and want.json()["choices"][0]["finish_reason"] == "stop":
+                json.loads(text)
+        assert "speculation limited" in s.log()
+    finally:
+        s.stop()
