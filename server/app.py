@@ -178,7 +178,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         check_model(body.common)
         prompt = body.prompt
         return await run(request, body.common, lambda: (
-            engine.encode(prompt) if isinstance(prompt, str) else list(prompt)), "text")
+            engine.encode(prompt, raw=True) if isinstance(prompt, str) else list(prompt)), "text")
 
     @app.on_event("shutdown")
     def _stop() -> None:

@@ -158,7 +158,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if msgs is not None:
         ids = engine.chat_prompt(msgs, constrained=constraint is not None)
     else:
-        ids = engine.encode(args.raw_prompt)
+        ids = engine.encode(args.raw_prompt, raw=True)
     req = engine.prepare(ids, constraint=constraint,
                          sampling=SamplingParams(args.temperature, args.top_p, args.top_k,
                                                  args.seed),

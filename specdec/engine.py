@@ -147,9 +147,24 @@ class Engine:
         self.context_length = int(ctx)
 
     # -- prompts -------------------------------------------------------------------------
-    def encode(self, text: str) -> list[TokenId]:
-        """Tokenize prompt text (special tokens in the text are honoured, no BOS added)."""
-        return list(self.target.tokenizer.encode(text, add_special_tokens=False))
+    def encode(self, text: str, *, raw: bool = False) -> list[TokenId]:
+        """Tokenize prompt text; special tokens written in the text are honoured.
+
+        Args:
+            raw: a prompt given as text (`/v1/completions`, `--raw-prompt`) rather than a
+                rendered chat template: the tokenizer adds what its own configuration adds
+                (Llama 3's `<|begin_of_text|>`, Gemma's `<bos>`; nothing for Qwen), unless
+                the text already starts with that BOS. Chat templates write their BOS
+                themselves, so rendered chats are encoded without it.
+        """
+        tok = self.target.tokenizer
+        if not raw:
+            return list(tok.encode(text, add_special_tokens=False))
+        ids = list(tok.encode(text, add_special_tokens=True))
+        bos = getattr(tok, "bos_token_id", None)
+        if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]  # the text carried its own BOS: keep one
+        return ids
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, constrained: bool,
                     template: str | None = None,
@@ -305,36 +320,57 @@ class Engine:
 class TextStream:
     """Token ids → text deltas for one request, applying its stop strings.
 
-    Deltas hold back a possibly incomplete UTF-8 character and a possible stop-string
-    prefix; `close` gives the finish reason and the full text (which may extend what was
-    sent).
+    Incremental: each token decodes a short window (the tokens since the last stable point
+    plus the few before it, as their context), so a long output costs O(n), not O(n²). Text
+    is stable once the window decodes to more than its context and does not end in U+FFFD
+    (a byte-fallback or byte-level tokenizer's partial character: one U+FFFD per pending
+    byte). Deltas also hold back a possible stop-string prefix. The final text is the stable
+    text plus the flushed remainder, so a client that joins the deltas gets exactly it.
     """
 
     def __init__(self, decode: Any, stop: Sequence[str]) -> None:
         self._decode, self._stop = decode, tuple(stop)
         self._hold = max((len(x) for x in stop), default=0)
         self.tokens: list[TokenId] = []
-        self._sent = ""
+        self._text = ""  # stable text
+        self._prefix = self._read = 0  # token offsets: window context start, stable end
+        self._sent = 0  # characters of _text sent
         self._cut: str | None = None
+
+    def _advance(self, flush: bool = False) -> None:
+        context = self._decode(self.tokens[self._prefix:self._read]) if self._read else ""
+        window = self._decode(self.tokens[self._prefix:])
+        if flush or (len(window) > len(context) and not window.endswith("\ufffd")):
+            self._text += window[len(context):]
+            self._prefix, self._read = self._read, len(self.tokens)
+
+    def _find_stop(self, since: int) -> bool:
+        if not self._stop:
+            return False
+        start = max(0, since - self._hold + 1)
+        hits = [i for i in (self._text.find(x, start) for x in self._stop) if i >= 0]
+        if hits:
+            self._cut = self._text[:min(hits)]
+        return bool(hits)
 
     def feed(self, tok: TokenId) -> tuple[str, bool]:
         """Add a token; returns (text delta, whether a stop string ended the output)."""
         self.tokens.append(tok)
-        text = self._decode(self.tokens)
-        if self._stop:
-            cut = min((i for i in (text.find(x) for x in self._stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self._cut = text[:cut]
-                return "", True
-        safe = len(text) - (self._hold - 1 if self._hold else 0)
-        if text.endswith("\ufffd"):
-            safe = min(safe, len(text) - 1)
-        delta = text[len(self._sent):max(safe, len(self._sent))]
-        self._sent += delta
+        before = len(self._text)
+        self._advance()
+        if self._find_stop(before):
+            return "", True
+        safe = len(self._text) - (self._hold - 1 if self._hold else 0)
+        delta = self._text[self._sent:max(safe, self._sent)]
+        self._sent += len(delta)
         return delta, False
 
     def close(self, finish: FinishReason) -> tuple[FinishReason, str]:
         """The finish reason and the full text (a stop string's cut wins)."""
+        if self._cut is None:
+            before = len(self._text)
+            self._advance(flush=True)
+            self._find_stop(before)
         if self._cut is not None:
             return "stop", self._cut
-        return finish, self._decode(self.tokens)
+        return finish, self._text

@@ -73,7 +73,8 @@ TOKENIZERS = {
 
 def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700) -> int:
     """Train a BPE tokenizer of this kind on CORPUS into `out`; returns its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers,
+                            trainers)
 
     if kind.byte_level:
         tok = Tokenizer(models.BPE())
@@ -94,6 +95,12 @@ def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700) -> int:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
+    if kind.bos:  # as the families' own tokenizer.json: BOS added to encoded text
+        from tokenizers import processors
+
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{kind.bos} $A", pair=f"{kind.bos} $A $B",
+            special_tokens=[(kind.bos, tok.token_to_id(kind.bos))])
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",

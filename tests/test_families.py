@@ -20,7 +20,7 @@ from specdec.models import load
 from specdec.speculative import SpecConfig
 from tests import tally
 from tests.exactness import MODES, Cell, plain, run_cells
-from tests.families import FAMILIES, make_family
+from tests.families import FAMILIES, TOKENIZERS, make_family, make_tokenizer
 
 SCHEMA = Constraint("json_schema", {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -43,6 +43,58 @@ PLAIN_BECAUSE = {"lfm2": "ArraysCache", "gemma3": "sliding-window"}
 def family_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return lambda name: make_family(name, root / name)
+
+
+TEXTS = ["Hi 🙂👍🏽 東京の天気 crème brûlée naïve — 안녕", "rare: 🦀𝔘ǅẞ 鑫 Ꙭ end",
+         " leading space,  double  spaces\nand a newline 🙂", '{"a": "Zürich 数据", "b": [1]}']
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+def test_streamed_text_equals_the_final_text_for_every_tokenizer_kind(tmp_path, kind):
+    # Byte-fallback tokenizers decode a partial character to one U+FFFD per pending byte;
+    # none of them may reach a stream, and the joined deltas must be the final text.
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.engine import TextStream
+
+    make_tokenizer(TOKENIZERS[kind], tmp_path)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        for stop in ((), ("数据",), ("🦀",)):
+            ts = TextStream(lambda x: tok.decode(x, skip_special_tokens=False), stop)
+            deltas = []
+            for i in ids:
+                d, stopped = ts.feed(i)
+                deltas.append(d)
+                if stopped:
+                    break
+            finish, final = ts.close("length")
+            full = tok.decode(ids, skip_special_tokens=False)
+            want = full[:min(full.find(x) for x in stop if x in full)] if any(
+                x in full for x in stop) else full
+            assert final == want and finish == ("stop" if want != full else "length")
+            assert "".join(deltas) == final[:len("".join(deltas))]
+            assert not any("\ufffd" in d for d in deltas), (kind, text, deltas)
+            if not stop:
+                assert "".join(deltas) == final, (kind, text)
+
+
+@pytest.mark.parametrize("name", ["llama3-tied", "gemma3", "mistral", "qwen3"])
+def test_raw_prompts_get_the_tokenizers_bos_once_and_chats_the_templates(family_dir, name):
+    target = load(str(family_dir(name)))
+    e = Engine(target, None)
+    tok = target.tokenizer
+    bos = tok.bos_token_id if tok.bos_token else None
+    raw = e.encode("Hello there", raw=True)
+    assert (raw[0] == bos and raw[1] != bos) if bos is not None else \
+        raw == e.encode("Hello there")
+    if bos is not None:  # a raw prompt that writes its own BOS keeps one
+        own = e.encode(tok.bos_token + "Hello there", raw=True)
+        assert own[0] == bos and own.count(bos) == 1
+    chat = e.chat_prompt(MESSAGES, constrained=True)
+    if bos is not None:
+        assert chat[0] == bos and chat.count(bos) == 1
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
