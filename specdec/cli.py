@@ -15,7 +15,9 @@ from typing import Any
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="'default' (embedded SmolLM2-135M-Instruct) or a local mlx-lm directory")
+                   help="'default' (embedded SmolLM2-135M-Instruct), a local mlx-lm directory "
+                        "(quantized ones too) or a Hugging Face repo id already in the local "
+                        "Hugging Face cache (never downloaded)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,18 +118,39 @@ def default_draft_dir() -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """`default`/None → the embedded model; `default-draft` → its shipped draft; otherwise a
-    local mlx-lm directory."""
+    """`default`/None → the embedded model; `default-draft` → its shipped draft; a local
+    mlx-lm directory; or a Hugging Face repo id (`org/name`) already in the local Hugging
+    Face cache (`HF_HUB_CACHE` / `HF_HOME`), as mlx-lm resolves it, never downloaded."""
     if model is None or str(model) == DEFAULT_MODEL:
         return embedded_model_dir()
     if str(model) == DEFAULT_DRAFT:
         return default_draft_dir()
     path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ModelNotFoundError(
-            f"{str(model)!r} is not a local mlx-lm model directory (no config.json); "
-            "models are never downloaded at run time")
-    return path
+    if (path / "config.json").exists():
+        return path
+    cached = _hf_cached(str(model))
+    if cached is not None:
+        return cached
+    raise ModelNotFoundError(
+        f"{str(model)!r} is neither a local mlx-lm model directory (no config.json) nor a "
+        "Hugging Face repo id in the local cache; models are never downloaded at run time")
+
+
+def _hf_cached(repo_id: str) -> Path | None:
+    """The snapshot directory of `repo_id` in the local Hugging Face cache, if it holds one
+    with a config.json."""
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts) or repo_id.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        home = os.environ.get("HF_HOME")
+        cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(home, "hub") if home else None)
+        snap = Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
+    except Exception:  # not cached (or an invalid id): the caller reports it
+        return None
+    return snap if (snap / "config.json").exists() else None
 
 
 class MappedDraft(nn.Module):

@@ -184,3 +184,39 @@ def make_family(name: str, out: Path, seed: int = 0) -> Path:
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": sorted({ids[kind.eos], ids[kind.end_of_turn]})}))
     return out
+
+
+def quantize_family(src: Path, out: Path, bits: int) -> Path:
+    """An mlx-lm quantized copy (affine, group size 32) of the model directory `src`, the
+    format mlx-community models ship in."""
+    import shutil
+
+    from mlx_lm.utils import load as mlx_load
+    from mlx_lm.utils import quantize_model
+
+    model, _ = mlx_load(str(src))[:2]
+    config = json.loads((src / "config.json").read_text())
+    model, config = quantize_model(model, config, 32, bits)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, out / f)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def hf_cache_with(model_dir: Path, cache: Path, repo_id: str) -> Path:
+    """Lay `model_dir` out as `repo_id` in a Hugging Face cache rooted at `cache` (what
+    `huggingface-cli download` leaves behind): refs/main naming a snapshot of the files."""
+    import shutil
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0" * 40
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        shutil.copy(f, snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snap

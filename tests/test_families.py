@@ -20,7 +20,8 @@ from specdec.models import load
 from specdec.speculative import SpecConfig
 from tests import tally
 from tests.exactness import MODES, Cell, plain, run_cells
-from tests.families import FAMILIES, TOKENIZERS, make_family, make_tokenizer
+from tests.families import (FAMILIES, TOKENIZERS, hf_cache_with, make_family,
+                            make_tokenizer, quantize_family)
 
 SCHEMA = Constraint("json_schema", {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -42,7 +43,14 @@ PLAIN_BECAUSE = {"lfm2": "ArraysCache", "gemma3": "sliding-window"}
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return lambda name: make_family(name, root / name)
+
+    def get(name: str):
+        base, _, bits = name.partition("-q")
+        if bits:  # a quantized copy: "<family>-q4", "<family>-q8"
+            return quantize_family(get(base), root / name, int(bits))
+        return root / name if (root / name / "config.json").exists() else \
+            make_family(name, root / name)
+    return get
 
 
 TEXTS = ["Hi 🙂👍🏽 東京の天気 crème brûlée naïve — 안녕", "rare: 🦀𝔘ǅẞ 鑫 Ꙭ end",
@@ -97,7 +105,7 @@ def test_raw_prompts_get_the_tokenizers_bos_once_and_chats_the_templates(family_
         assert chat[0] == bos and chat.count(bos) == 1
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(FAMILIES) + ["llama3-tied-q4", "qwen3-q8"])
 def test_family_plain_equals_oracle_and_cells_equal_plain(family_dir, name):
     assert blas.active() == "reference"
     target = load(str(family_dir(name)))
@@ -189,3 +197,39 @@ def test_recurrent_family_served_with_lookup_and_a_draft_never_fails(family_dir)
         assert "speculation limited" in s.log()
     finally:
         s.stop()
+
+
+def test_end_of_turn_ids_come_from_generation_config(family_dir):
+    # Gemma's <end_of_turn> and Llama 3's <|eot_id|> are only in generation_config.json.
+    for name, turn in (("gemma3", "<end_of_turn>"), ("llama3-tied", "<|eot_id|>")):
+        m = load(str(family_dir(name)))
+        assert m.tokenizer.convert_tokens_to_ids(turn) in m.eos_token_ids, name
+        assert m.tokenizer.eos_token_id in m.eos_token_ids, name
+
+
+def test_a_repo_id_resolves_from_the_local_hugging_face_cache(family_dir, tmp_path,
+                                                               monkeypatch):
+    from specdec.models import ModelNotFoundError
+
+    snap = hf_cache_with(family_dir("qwen3"), tmp_path / "hub", "specdec-tests/tiny-qwen3")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = load("specdec-tests/tiny-qwen3")
+    assert m.path == snap and m.vocab_size == load(str(family_dir("qwen3"))).vocab_size
+    with pytest.raises(ModelNotFoundError, match="never downloaded"):
+        load("specdec-tests/not-cached")
+
+
+@pytest.mark.parametrize("name", ["lfm2", "gemma3"])
+def test_prompt_state_reuse_deep_copies_every_cache_kind(family_dir, name):
+    # Recurrent state (a list the live cache mutates) and a ring buffer: a request served
+    # from the stored prompt state decodes exactly as one prefilled from scratch.
+    target = load(str(family_dir(name)))
+    fresh, stored = Engine(target, None), Engine(target, None)
+    fresh.kv_store.capacity = 0
+    ids = fresh.chat_prompt(MESSAGES, constrained=False)
+    req = dict(max_tokens=MAX_TOKENS, spec=None)
+    want = fresh.generate(fresh.prepare(ids, **req)).tokens
+    for _ in range(3):
+        assert stored.generate(stored.prepare(ids, **req)).tokens == want
+    assert stored.kv_store.hits >= 2
