@@ -114,6 +114,8 @@ def test_family_plain_equals_oracle_and_cells_equal_plain(family_dir, name):
     engines["self"].kv_store = engines["none"].kv_store
     e = engines["none"]
     ids = e.chat_prompt(MESSAGES, constrained=True)
+    if name == "gemma3":  # prompt + output run past the sliding window (64)
+        assert len(ids) + MAX_TOKENS > 64
     bad: list[str] = []
     for mode, params in MODES.items():
         for constraint in (SCHEMA, None):
