@@ -336,7 +336,11 @@ BATCH_ATTENTION_MAX_T = 32
 
 
 def _slab_segments(segments: Sequence[tuple[Sequence[int], list]]) -> Slab | None:
-    """The slab every segment's cache lives in, when they share one and are short enough."""
+    """The slab every segment's cache lives in, when they share one and are short enough
+    (and there are several: one request alone takes the per-request path, mlx-lm's own
+    shapes, with no padding or gather to pay for)."""
+    if len(segments) < 2:
+        return None
     first = segments[0][1]
     if not first or not isinstance(first[0], SlotCache):
         return None
