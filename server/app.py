@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from specdec.scheduler import QueueFull
 
 log = logging.getLogger("specdec.server")
 MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 128  # nesting levels of a request body
 COMPILE_TIMEOUT_S = 10.0
 MAX_BATCH = 8    # requests decoded together: a forward over 8 rows costs ~1.3x one row here
 MAX_QUEUE = 64   # requests waiting for a slot before new ones get 503 + Retry-After
@@ -80,14 +82,24 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     app.add_middleware(Guard, api_key=api_key)
 
     async def read_body(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes",
-                           code="request_too_large")
+        # Read with a running limit: a chunked body (no Content-Length) is cut off at the
+        # limit, not read whole first.
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(b"".join(chunks))
+        except RecursionError as e:
+            raise bad_request("request body is nested too deeply") from e
+        except ValueError as e:  # invalid JSON, bad UTF-8, integers over Python's digit limit
             raise bad_request(f"request body is not valid JSON: {e}") from e
+        if _depth(body) > MAX_JSON_DEPTH:
+            raise bad_request(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+        return body
 
     def check_model(common: Common) -> None:
         if common.model not in (None, model_name, "default"):
@@ -142,8 +154,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                                 f"{RETRY_AFTER_S}s", type="server_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        headers = {"Warning": "199 specdec \"" + "; ".join(warnings).replace('"', "'") + "\""} \
-            if warnings else {}
+        headers = {"Warning": _warning_header(warnings)} if warnings else {}
         if common.stream:
             return StreamingResponse(_sse(job, common, rid, model_name, kind, metrics, warnings),
                                      media_type="text/event-stream", headers=headers)
@@ -188,6 +199,34 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     return app
 
 
+def _warning_header(warnings: tuple[str, ...], limit: int = 2000) -> str:
+    """An RFC 9111 Warning value from warning texts that may hold user text (a schema's
+    format name): JSON string escapes keep it printable ASCII (no newline, no non-Latin-1
+    character, quotes escaped), bounded in length; the full texts are in the body."""
+    text = json.dumps("; ".join(warnings))[1:-1]
+    if len(text) > limit:
+        text = text[:limit].rstrip("\\") + "..."
+    return f'199 specdec "{text}"'
+
+
+def _depth(x: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _protected(path: str) -> bool:
+    """Paths behind the API key: the API, metrics and the API's documentation (`/health`
+    stays open for load balancers)."""
+    return path.startswith(("/v1/", "/docs", "/redoc")) or path in ("/metrics",
+                                                                    "/openapi.json")
+
+
 class Guard:
     """API key and body-size checks, as plain ASGI middleware: unlike an `@app.middleware`
     function (BaseHTTPMiddleware) it leaves the receive channel alone, so handlers see a
@@ -201,8 +240,9 @@ class Guard:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                        for k, v in scope.get("headers", [])}
             error = None
-            if self.api_key and scope["path"].startswith("/v1/") and \
-                    headers.get("authorization") != f"Bearer {self.api_key}":
+            given = headers.get("authorization", "").encode("latin-1")
+            if self.api_key and _protected(scope["path"]) and not hmac.compare_digest(
+                    given, f"Bearer {self.api_key}".encode()):
                 error = APIError(401, "missing or invalid API key",
                                  type="authentication_error", code="invalid_api_key")
             size = headers.get("content-length", "")

@@ -11,6 +11,23 @@ from specdec.speculative import DraftConfigError, SpecConfig
 
 from .errors import bad_request
 
+# Parameters that change what a request means and that this server does not implement: a
+# 400 naming them (never silently ignored), unless given their no-op value.
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "best_of": (None, 1),
+    "echo": (None, False), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+}
+# vLLM's older structured-output fields, mapped onto `structured_outputs`.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+ROLES = ("system", "developer", "user", "assistant")
+
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar",
                     "choice": "choice", "json_object": "json_object"}
 
@@ -139,9 +156,40 @@ def parse_spec(body: dict[str, Any]) -> dict[str, Any] | None | str:
     return {name: v for name, v in fields.items() if v is not None}
 
 
+def check_unimplemented(body: dict[str, Any]) -> None:
+    """A 400 naming the first parameter this server would otherwise silently ignore."""
+    for key, noop in UNIMPLEMENTED.items():
+        if key in ("tools", "functions") and body.get("tool_choice") == "none":
+            continue  # tool_choice "none": the tools are not used
+        if key in body and not any(body[key] == v and type(body[key]) is type(v)
+                                   or body[key] is v for v in noop):
+            if key == "tool_choice" and body.get("tools") in (None, []):
+                continue  # a choice among no tools changes nothing
+            raise bad_request(f"'{key}' is not supported by this server (it would change the "
+                              "output, so it is not ignored); remove it", key,
+                              "unsupported_parameter")
+
+
+def map_guided(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar` as the
+    equivalent `structured_outputs` (giving both is a 400, like any two constraints)."""
+    given = [k for k in GUIDED if body.get(k) is not None]
+    if not given:
+        return body
+    if body.get("structured_outputs") is not None:
+        given.append("structured_outputs")
+    if len(given) > 1:
+        raise bad_request(f"give one structured output, not {given}", given[0])
+    body = dict(body)
+    body["structured_outputs"] = {GUIDED[given[0]]: body.pop(given[0])}
+    return body
+
+
 def parse_common(body: Any, allow_response_format: bool) -> Common:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    check_unimplemented(body)
+    body = map_guided(body)
     n = _typed(body, "n", (int,), 1)
     if n != 1:
         raise bad_request(f"n={n}: only n=1 is supported", "n")
@@ -176,11 +224,51 @@ def parse_chat(body: Any) -> ChatRequest:
         APIError: 400 naming the offending field.
     """
     common = parse_common(body, allow_response_format=True)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
+    messages = normalize_messages(body.get("messages"))
     kwargs = _typed(body, "chat_template_kwargs", (dict,), {})
     return ChatRequest(common, messages, kwargs)
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages → [{"role", "content": str}] for the template.
+
+    `content` may be a string, a list of text parts (what many clients send) or null (an
+    assistant turn); other part kinds (images, audio) and tool turns are a 400 naming the
+    message, as is an unknown role.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role {role!r} is not supported: expected one of "
+                              f"{list(ROLES)}", f"{where}.role")
+        if m.get("tool_calls"):
+            raise bad_request(f"{where} has tool_calls: tool calling is not supported",
+                              f"{where}.tool_calls")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or \
+                        not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise bad_request(f"{where}.content[{j}]: only text parts are supported, "
+                                      f"got {kind!r}", f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise bad_request(f"{where}.content must be a string, a list of text parts or "
+                              "(for an assistant) null", f"{where}.content")
+        out.append({**{k: v for k, v in m.items() if k not in ("content",)},
+                    "role": "system" if role == "developer" else role, "content": content})
+    return out
 
 
 def parse_completion(body: Any) -> CompletionRequest:

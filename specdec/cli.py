@@ -151,6 +151,9 @@ def _messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     return None
 
 
+EXIT_INCOMPLETE = 3  # `generate`: constrained output cut by --max-tokens (printed anyway)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
@@ -172,6 +175,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if result.warnings:
             line["warnings"] = list(result.warnings)
         print(json.dumps(line), file=sys.stderr)
+    grammar = engine.compiled(req)
+    if grammar is not None and result.finish_reason == "length":
+        m = grammar.matcher()
+        for t in result.tokens:
+            m.consume_token(t)
+        if not m.is_accepting():
+            print(f"specdec: the output was cut at --max-tokens {args.max_tokens} before the "
+                  "constraint was complete, so it does not match it; raise --max-tokens",
+                  file=sys.stderr)
+            return EXIT_INCOMPLETE
     return 0
 
 

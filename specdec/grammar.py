@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args
 
 import llguidance
 import llguidance.hf
+import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
@@ -213,6 +214,14 @@ class GrammarCompiler:
         template = LLMatcher(self.tokenizer, text, log_level=0)
         if template.is_error():
             raise GrammarError(c.kind, template.get_error())
+        # A grammar can compile and still match nothing (regex `[^\s\S]`): its first mask is
+        # empty. That is bad input, found here once per grammar, not a fault mid-request.
+        probe = template.deep_copy()
+        first = llnp.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        llnp.fill_next_token_bitmask(probe, first, 0)
+        if probe.is_error() or not first.any():
+            raise GrammarError(c.kind, "the constraint matches no text: no token, not even the "
+                                       "end of output, is allowed at the start")
         compiled = CompiledGrammar(text, tuple(messages), template)
         with self._lock:
             self.misses += 1

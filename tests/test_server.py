@@ -247,7 +247,9 @@ def test_auth_and_body_size(server):
 
 def test_models_metrics_health(server, client):
     assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401  # key needed
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"},
+                     timeout=10).text
     assert "specdec_requests_total" in text and "specdec_queue_depth" in text
     assert "specdec_grammar_cuts_total" in text
 

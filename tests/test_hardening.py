@@ -1,0 +1,198 @@
+"""Ways into the server that real clients take: user text in headers, grammars that match
+nothing, hostile JSON bodies, chunked bodies, the API key on every non-health path,
+parameters we do not implement (a 400 naming them, never ignored), vLLM's `guided_*` fields,
+content parts and roles; and the CLI's exit status for output cut by --max-tokens. After
+every bad request the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.serverproc import Server
+
+KEY = "hardening-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MSG = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
+    s = Server("--api-key", KEY)
+    yield s
+    s.stop()
+
+
+def post(server, body, path="/v1/chat/completions", **kw):
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=300, **kw)
+
+
+def ok_after(server):
+    r = post(server, {"messages": MSG, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
+def error_of(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_user_text_in_the_warning_header_is_escaped(server, stream):
+    # A lenient schema's warning quotes the schema's own text: a non-Latin-1 character and
+    # a newline must neither fail the response nor break the header.
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "dâte\nπ"}},
+              "required": ["d"]}
+    body = {"messages": MSG, "max_tokens": 8, "stream": stream, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=300) as r:
+        text = r.read().decode()
+        assert r.status_code == 200, text
+        header = r.headers["warning"]
+    assert header.isascii() and "\n" not in header and "d\\u00e2te\\n\\u03c0" in header
+    if not stream:
+        assert any("dâte\nπ" in w for w in json.loads(text)["specdec"]["warnings"])
+    ok_after(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_matches_nothing_is_a_400(server, stream):
+    body = {"messages": MSG, "max_tokens": 4, "stream": stream,
+            "structured_outputs": {"regex": "[^\\s\\S]"}}
+    err = error_of(post(server, body), 400, "response_format")
+    assert err["code"] == "invalid_grammar" and "matches no text" in err["message"]
+    ok_after(server)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+    b"[" * 100_000 + b"]" * 100_000,
+    json.dumps({"messages": MSG, "x": json.loads("[" * 300 + "]" * 300)}).encode(),
+    b'{"messages": "\xff\xfe"}',
+])
+def test_hostile_json_bodies_are_a_400(server, raw):
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw,
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    error_of(r, 400)
+    ok_after(server)
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off_with_a_413(server):
+    def chunks():
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"a" * (1 << 20)
+        yield b'"}]}'
+
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunks(),
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    error_of(r, 413)
+    ok_after(server)
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/docs", "/openapi.json", "/v1/models"])
+def test_the_api_key_guards_everything_but_health(server, path):
+    error_of(httpx.get(server.url + path, timeout=30), 401)
+    error_of(httpx.get(server.url + path, headers={"Authorization": "Bearer wrong"},
+                       timeout=30), 401)
+    assert httpx.get(server.url + path, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("param,value", [
+    ("tools", [TOOL]), ("tool_choice", "required"), ("logprobs", True), ("top_logprobs", 3),
+    ("logit_bias", {"42": 5}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+    ("repetition_penalty", 1.1), ("min_p", 0.1), ("functions", [TOOL["function"]]),
+])
+def test_a_parameter_we_do_not_implement_is_a_400_naming_it(server, param, value):
+    body = {"messages": MSG, "max_tokens": 3, param: value}
+    if param == "tool_choice":
+        body["tools"] = [TOOL]
+    err = error_of(post(server, body), 400)
+    assert err["param"] in (param, "tools") and err["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("extra", [
+    {"logprobs": False}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
+    {"logit_bias": {}}, {"tools": [TOOL], "tool_choice": "none"}, {"tools": []},
+])
+def test_no_op_values_of_those_parameters_are_accepted(server, extra):
+    r = post(server, {"messages": MSG, "max_tokens": 3, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    plain = post(server, {"messages": MSG, "max_tokens": 3, "temperature": 0})
+    assert r.json()["choices"][0]["message"]["content"] == \
+        plain.json()["choices"][0]["message"]["content"]
+
+
+def test_vllm_guided_fields_constrain_the_output(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    r = post(server, {"messages": MSG, "max_tokens": 30, "guided_json": schema})
+    assert r.status_code == 200, r.text
+    assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"n"}
+    r = post(server, {"messages": MSG, "max_tokens": 10, "guided_choice": ["red", "blue"]})
+    assert r.json()["choices"][0]["message"]["content"] in ("red", "blue")
+    r = post(server, {"messages": MSG, "max_tokens": 10, "guided_regex": "[a-c]{3}"})
+    assert len(r.json()["choices"][0]["message"]["content"]) == 3
+    r = post(server, {"prompt": "Colour:", "max_tokens": 10, "guided_choice": ["red", "blue"]},
+             path="/v1/completions")
+    assert r.json()["choices"][0]["text"] in ("red", "blue")
+    error_of(post(server, {"messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}), 400)
+
+
+def test_content_parts_and_null_assistant_content_are_accepted(server):
+    as_text = post(server, {"messages": [{"role": "user", "content": "Say hi twice."}],
+                            "max_tokens": 6, "temperature": 0})
+    as_parts = post(server, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Say hi"}, {"type": "text", "text": " twice."}]}],
+        "max_tokens": 6, "temperature": 0})
+    assert as_parts.status_code == 200, as_parts.text
+    assert as_parts.json()["choices"][0]["message"]["content"] == \
+        as_text.json()["choices"][0]["message"]["content"]
+    r = post(server, {"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": None},
+                                   {"role": "developer", "content": "Be brief."},
+                                   {"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"}], "messages[1].role"),
+])
+def test_bad_messages_are_a_400_naming_the_message(server, messages, param):
+    error_of(post(server, {"messages": messages, "max_tokens": 3}), 400, param)
+    ok_after(server)
+
+
+def test_cli_exits_3_when_max_tokens_cuts_a_constrained_output(tmp_path, embedded):
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "city": {"type": "string", "maxLength": 8}},
+        "required": ["name", "city"], "additionalProperties": False}))
+    base = [sys.executable, "-m", "specdec", "generate", "--json-schema", str(schema),
+            "--prompt", "Invent a person.", "--draft-model", "none"]
+    cut = subprocess.run(base + ["--max-tokens", "4"], capture_output=True, text=True,
+                         timeout=600)
+    assert cut.returncode == 3 and "--max-tokens 4" in cut.stderr, cut.stderr[-2000:]
+    assert cut.stdout.strip()  # the partial output is still printed
+    whole = subprocess.run(base + ["--max-tokens", "60"], capture_output=True, text=True,
+                           timeout=600)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    json.loads(whole.stdout)
