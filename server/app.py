@@ -34,7 +34,7 @@ from .errors import APIError, bad_request
 from .metrics import Metrics
 from .protocol import Common, parse_chat, parse_completion
 from .worker import EngineWorker, Job
-from specdec.scheduler import QueueFull
+from specdec.scheduler import DeadlineExceeded, QueueFull
 
 log = logging.getLogger("specdec.server")
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -43,16 +43,19 @@ COMPILE_TIMEOUT_S = 10.0
 MAX_BATCH = 8    # requests decoded together: a forward over 8 rows costs ~1.3x one row here
 MAX_QUEUE = 64   # requests waiting for a slot before new ones get 503 + Retry-After
 RETRY_AFTER_S = 1
+REQUEST_TIMEOUT_S = 600.0  # a request's time limit from arrival, waiting included
 
 
 def create_app(engine: Engine, *, api_key: str | None = None,
                chat_template: str | None = None,
                compile_timeout_s: float = COMPILE_TIMEOUT_S,
-               max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE) -> FastAPI:
+               max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+               request_timeout_s: float | None = REQUEST_TIMEOUT_S) -> FastAPI:
     """The ASGI app serving `engine`: one scheduler thread decoding up to `max_batch`
     requests together, `max_queue` more waiting (then 503); compiles in a small pool."""
     app = FastAPI(title="specdec")
-    worker = EngineWorker(engine, max_batch=max_batch, max_queue=max_queue)
+    worker = EngineWorker(engine, max_batch=max_batch, max_queue=max_queue,
+                          request_timeout_s=request_timeout_s)
     metrics = Metrics()
     compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-compile")
     model_name = engine.target.name
@@ -275,6 +278,8 @@ def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
 
 
 def _error_of(e: Exception) -> APIError:
+    if isinstance(e, DeadlineExceeded):
+        return APIError(504, f"{e}; it was stopped", type="server_error", code="timeout")
     if isinstance(e, GrammarStateError):
         return APIError(500, f"internal error: {e}; no output past that point was emitted",
                         type="server_error", code="grammar_state")
@@ -375,7 +380,8 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: str | None = None,
           compile_timeout_s: float = COMPILE_TIMEOUT_S, max_batch: int = MAX_BATCH,
-          max_queue: int = MAX_QUEUE) -> None:
+          max_queue: int = MAX_QUEUE, request_timeout_s: float | None = REQUEST_TIMEOUT_S
+          ) -> None:
     """Serve an engine until interrupted."""
     import uvicorn
 
@@ -384,7 +390,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(engine, api_key=api_key, chat_template=chat_template,
                      compile_timeout_s=compile_timeout_s, max_batch=max_batch,
-                     max_queue=max_queue)
+                     max_queue=max_queue, request_timeout_s=request_timeout_s)
     draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward else "")
              if engine.draft is None else
              "self" if engine.draft is engine.target else engine.draft.name)

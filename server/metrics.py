@@ -58,5 +58,7 @@ class Metrics:
                       f"specdec_batch_size_mean {sched.batch_rows_sum / rounds if rounds else 0:g}",
                       "# TYPE specdec_batch_size gauge", f"specdec_batch_size {sched.last_batch}",
                       "# TYPE specdec_cancelled_total counter",
-                      f"specdec_cancelled_total {sched.cancelled}"]
+                      f"specdec_cancelled_total {sched.cancelled}",
+                      "# TYPE specdec_timed_out_total counter",
+                      f"specdec_timed_out_total {sched.timed_out}"]
         return "\n".join(lines) + "\n"

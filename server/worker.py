@@ -13,7 +13,7 @@ from typing import Any
 
 from specdec.decode import GrammarStateError
 from specdec.engine import Engine, Request
-from specdec.scheduler import Event, Scheduler, Ticket
+from specdec.scheduler import DeadlineExceeded, Event, Scheduler, Ticket
 from specdec.speculative import SpecStats
 
 log = logging.getLogger("specdec.server")
@@ -38,8 +38,9 @@ class EngineWorker:
     `max_queue` jobs already wait for a slot.
     """
 
-    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64,
+                 request_timeout_s: float | None = None) -> None:
+        self.engine, self.request_timeout_s = engine, request_timeout_s
         self.scheduler = Scheduler(engine.models, max_batch=max_batch, max_queue=max_queue,
                                    kv_store=engine.kv_store)
 
@@ -59,6 +60,8 @@ class EngineWorker:
                     log.error("grammar state error at output token %s: %s\nconstraint: %s\n"
                               "grammar: %s", e.position, e.detail or e, req.constraint,
                               g.text if g else None)
+                elif isinstance(e, DeadlineExceeded):
+                    log.warning("request stopped: %s", e)
                 else:
                     log.error("generation failed: %r", e)
                 job.post("error", e)
@@ -69,7 +72,8 @@ class EngineWorker:
 
         self.scheduler.submit(Ticket(start=lambda: engine.new_state(req, stats),
                                      text=engine.text_stream(req), sink=sink,
-                                     cancelled=job.cancelled))
+                                     cancelled=job.cancelled,
+                                     timeout_s=self.request_timeout_s))
 
     def stop(self) -> None:
         self.scheduler.stop()

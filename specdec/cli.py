@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a slot; more get 503 with Retry-After")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take from arrival (waiting included) before "
+                        "it is stopped with a 504; 0 for no limit")
     _add_spec_args(s)
     return ap
 
@@ -239,7 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(build_engine(args.model, args), host=args.host, port=args.port,
           api_key=args.api_key, chat_template=template,
           compile_timeout_s=args.compile_timeout, max_batch=args.max_batch,
-          max_queue=args.max_queue)
+          max_queue=args.max_queue, request_timeout_s=args.request_timeout or None)
     return 0
 
 

@@ -31,6 +31,10 @@ class QueueFull(RuntimeError):
     """The scheduler's waiting queue is at its bound; retry later."""
 
 
+class DeadlineExceeded(RuntimeError):
+    """A request ran (or waited) past its time limit; it was stopped, nothing lost."""
+
+
 @dataclass(frozen=True)
 class Event:
     """What a request produced: a text delta (with the token ids behind it), or its end.
@@ -64,6 +68,8 @@ class Ticket:
         text: the request's text assembler (`engine.TextStream`).
         sink: called with each `Event` (from the scheduler thread).
         cancelled: set by the caller to stop the request within one round.
+        timeout_s: the request's time limit from submission (waiting included), or None;
+            past it the request ends with `DeadlineExceeded` within one round.
     """
 
     start: Callable[[], DecodeState]
@@ -72,6 +78,10 @@ class Ticket:
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: DecodeState | None = None
     t0: float = 0.0
+    timeout_s: float | None = None
+
+    def overdue(self, now: float) -> bool:
+        return self.timeout_s is not None and now - self.t0 > self.timeout_s
 
 
 @dataclass
@@ -83,6 +93,7 @@ class SchedulerStats:
     batch_rows_sum: int = 0
     last_batch: int = 0
     cancelled: int = 0
+    timed_out: int = 0
 
 
 class Scheduler:
@@ -153,7 +164,21 @@ class Scheduler:
                     self._finish(t, error=e)
                 self._active = []
 
+    def _expire(self) -> None:
+        """End requests past their time limit, decoding or still waiting."""
+        now = time.perf_counter()
+        with self._cv:
+            late = [t for t in self._waiting if t.overdue(now)]
+            for t in late:
+                self._waiting.remove(t)
+        late += [t for t in self._active if t.overdue(now) and not t.cancelled.is_set()]
+        for t in late:
+            self.stats.timed_out += 1
+            self._finish(t, error=DeadlineExceeded(
+                f"the request ran past the server's time limit of {t.timeout_s:g}s"))
+
     def _step(self) -> None:
+        self._expire()
         for t in list(self._active):
             if t.cancelled.is_set():
                 self.stats.cancelled += 1

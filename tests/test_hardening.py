@@ -196,3 +196,29 @@ def test_cli_exits_3_when_max_tokens_cuts_a_constrained_output(tmp_path, embedde
                            timeout=600)
     assert whole.returncode == 0, whole.stderr[-2000:]
     json.loads(whole.stdout)
+
+
+def test_a_request_past_the_time_limit_is_stopped_with_a_504(embedded):
+    # A deadline per request (waiting included): a long generation is stopped within a
+    # round of it, streaming or not, and the server keeps serving.
+    import time
+
+    s = Server("--request-timeout", "1.5", "--draft-model", "none")
+    try:
+        body = {"messages": [{"role": "user", "content": "Tell a very long story."}],
+                "max_tokens": 2000, "temperature": 0}
+        t0 = time.time()
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120)
+        err = error_of(r, 504)
+        assert err["code"] == "timeout" and time.time() - t0 < 30
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=120) as st:
+            lines = [ln for ln in st.iter_lines() if ln.startswith("data: ")]
+        events = [json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]"]
+        assert any("error" in e and e["error"]["code"] == "timeout" for e in events)
+        short = httpx.post(s.url + "/v1/chat/completions",
+                           json={**body, "max_tokens": 3}, timeout=120)
+        assert short.status_code == 200, short.text
+        assert "specdec_timed_out_total 2" in httpx.get(s.url + "/metrics").text
+    finally:
+        s.stop()
