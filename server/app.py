@@ -161,7 +161,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         if common.stream:
             return StreamingResponse(_sse(job, common, rid, model_name, kind, metrics, warnings),
                                      media_type="text/event-stream", headers=headers)
-        return await _complete(job, rid, model_name, kind, request, metrics, warnings, headers)
+        return await _complete(job, rid, model_name, kind, request, metrics, warnings, headers,
+                               tools=bool(common.tools))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -182,9 +183,12 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     async def chat(request: Request) -> Any:
         body = parse_chat(await read_body(request))
         check_model(body.common)
+        kwargs = body.template_kwargs
+        if body.common.tools:  # the template shows the model its tools, where it can
+            kwargs = {**kwargs, "tools": list(body.common.tools)}
         return await run(request, body.common, lambda: engine.chat_prompt(
             body.messages, constrained=body.common.constraint is not None,
-            template=chat_template, template_kwargs=body.template_kwargs), "chat")
+            template=chat_template, template_kwargs=kwargs), "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -286,7 +290,25 @@ def _error_of(e: Exception) -> APIError:
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 
-def _choice(kind: str, text: str, finish: str | None) -> dict[str, Any]:
+def _tool_call(text: str, finish: str | None) -> dict[str, Any] | None:
+    """The OpenAI tool call in a tool-mode output (the grammar's {"name", "arguments"}), or
+    None when generation stopped before the call was complete."""
+    if finish != "stop":
+        return None
+    try:
+        call = json.loads(text)
+        name, args = call["name"], call["arguments"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _choice(kind: str, text: str, finish: str | None, tools: bool = False) -> dict[str, Any]:
+    call = _tool_call(text, finish) if tools else None
+    if call is not None:
+        return {"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                "message": {"role": "assistant", "content": None, "tool_calls": [call]}}
     if kind == "chat":
         return {"index": 0, "finish_reason": finish, "logprobs": None,
                 "message": {"role": "assistant", "content": text}}
@@ -294,8 +316,8 @@ def _choice(kind: str, text: str, finish: str | None) -> dict[str, Any]:
 
 
 async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
-                    metrics: Metrics, warnings: tuple[str, ...], headers: dict[str, str]
-                    ) -> JSONResponse:
+                    metrics: Metrics, warnings: tuple[str, ...], headers: dict[str, str],
+                    tools: bool = False) -> JSONResponse:
     n = 0
     checked = time.monotonic()
     try:
@@ -324,7 +346,7 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
     return JSONResponse({
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()), "model": model,
-        "choices": [_choice(kind, text, finish)], "usage": _usage(job, n),
+        "choices": [_choice(kind, text, finish, tools)], "usage": _usage(job, n),
         "specdec": _extension(job, stats, seconds, warnings)}, headers=headers)
 
 
@@ -354,7 +376,7 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
             event = await job.events.get()
             if event[0] == "token":
                 n += 1
-                if event[2]:
+                if event[2] and not common.tools:  # a tool call is sent whole, at the end
                     sent += event[2]
                     yield chunk(event[2], None)
             elif event[0] == "error":
@@ -362,7 +384,14 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
                 break
             else:
                 _, finish, text, stats, seconds = event
-                if len(text) > len(sent):  # tail held back for stop strings / partial UTF-8
+                call = _tool_call(text, finish) if common.tools else None
+                if call is not None:
+                    body = {"id": rid, "object": obj, "created": created, "model": model,
+                            "choices": [{"index": 0, "finish_reason": None, "logprobs": None,
+                                         "delta": {"tool_calls": [{"index": 0, **call}]}}]}
+                    yield f"data: {json.dumps(body)}\n\n"
+                    finish = "tool_calls"
+                elif len(text) > len(sent):  # tail held back (stop strings, partial UTF-8)
                     yield chunk(text[len(sent):], None)
                 yield chunk(None, finish)
                 metrics.observe(len(job.request.prompt_ids), n, stats, seconds)

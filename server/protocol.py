@@ -14,8 +14,7 @@ from .errors import bad_request
 # Parameters that change what a request means and that this server does not implement: a
 # 400 naming them (never silently ignored), unless given their no-op value.
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None, []), "function_call": (None, "none"),
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "best_of": (None, 1),
@@ -44,6 +43,7 @@ class Common:
     stream: bool
     include_usage: bool
     spec: dict[str, Any] | None | str  # "default": the server's settings; dict: overrides
+    tools: tuple[dict[str, Any], ...] = ()  # the tools the output calls one of (tool mode)
 
 
 @dataclass(frozen=True)
@@ -159,12 +159,8 @@ def parse_spec(body: dict[str, Any]) -> dict[str, Any] | None | str:
 def check_unimplemented(body: dict[str, Any]) -> None:
     """A 400 naming the first parameter this server would otherwise silently ignore."""
     for key, noop in UNIMPLEMENTED.items():
-        if key in ("tools", "functions") and body.get("tool_choice") == "none":
-            continue  # tool_choice "none": the tools are not used
         if key in body and not any(body[key] == v and type(body[key]) is type(v)
                                    or body[key] is v for v in noop):
-            if key == "tool_choice" and body.get("tools") in (None, []):
-                continue  # a choice among no tools changes nothing
             raise bad_request(f"'{key}' is not supported by this server (it would change the "
                               "output, so it is not ignored); remove it", key,
                               "unsupported_parameter")
@@ -185,11 +181,68 @@ def map_guided(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Constraint | None]:
+    """`tools` + `tool_choice` → (the tools, the constraint of one call), or ((), None).
+
+    `"required"` (or a named function) constrains the output to one call: the JSON object
+    {"name": <a tool's name>, "arguments": <that tool's parameters>}; `"none"` ignores the
+    tools; `"auto"` (OpenAI's default when tools are given) needs a model-specific parser
+    to tell text from a call, which this server does not have: a 400.
+    """
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if body.get("parallel_tool_calls") not in (None, False) and tools:
+        raise bad_request("parallel_tool_calls: one call per response is supported; set it to "
+                          "false", "parallel_tool_calls", "unsupported_parameter")
+    if choice == "none" or (tools in (None, []) and choice is None):
+        return (), None
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("tool_choice needs a non-empty 'tools' list", "tools")
+    fns = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': "
+                              "{'name': ..., 'parameters': {...}}}", f"tools[{i}]")
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                              f"tools[{i}].function.parameters")
+        fns.append(t)
+    names = [t["function"]["name"] for t in fns]
+    if len(set(names)) != len(names):
+        raise bad_request("tool names must be unique", "tools")
+    if choice is None or choice == "auto":
+        raise bad_request("tool_choice 'auto' (the default with tools) is not supported: give "
+                          "'required', a named function or 'none'", "tool_choice",
+                          "unsupported_parameter")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == \
+            "function" else None
+        if name not in names:
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools",
+                              "tool_choice")
+        fns = [t for t in fns if t["function"]["name"] == name]
+    elif choice != "required":
+        raise bad_request(f"tool_choice {choice!r}: expected 'required', 'none' or "
+                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get(
+                                 "parameters", {"type": "object", "properties": {}})}}
+             for t in fns]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    strict = all(t["function"].get("strict") is True for t in fns)
+    return tuple(fns), Constraint.json_schema(schema, lenient=not strict)
+
+
 def parse_common(body: Any, allow_response_format: bool) -> Common:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     check_unimplemented(body)
     body = map_guided(body)
+    tools, tool_constraint = parse_tools(body) if allow_response_format else ((), None)
+    if not allow_response_format and body.get("tools") not in (None, []):
+        raise bad_request("/v1/completions takes no tools", "tools")
     n = _typed(body, "n", (int,), 1)
     if n != 1:
         raise bad_request(f"n={n}: only n=1 is supported", "n")
@@ -210,11 +263,16 @@ def parse_common(body: Any, allow_response_format: bool) -> Common:
         raise bad_request(f"'stop' has {len(stops)} strings; at most 4", "stop")
     stream = bool(_typed(body, "stream", (bool,), False))
     so = _typed(body, "stream_options", (dict,), {})
-    return Common(model=_typed(body, "model", (str,), None),
-                  constraint=parse_constraint(body, allow_response_format),
+    constraint = parse_constraint(body, allow_response_format)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise bad_request("a tool call and a response format cannot both constrain the "
+                              "output", "tool_choice")
+        constraint = tool_constraint
+    return Common(model=_typed(body, "model", (str,), None), constraint=constraint,
                   sampling=parse_sampling(body), max_tokens=max_tokens, stop=stops,
                   stream=stream, include_usage=bool(so.get("include_usage", False)),
-                  spec=parse_spec(body))
+                  spec=parse_spec(body), tools=tools)
 
 
 def parse_chat(body: Any) -> ChatRequest:

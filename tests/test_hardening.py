@@ -113,16 +113,13 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("param,value", [
-    ("tools", [TOOL]), ("tool_choice", "required"), ("logprobs", True), ("top_logprobs", 3),
+    ("logprobs", True), ("top_logprobs", 3),
     ("logit_bias", {"42": 5}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
     ("repetition_penalty", 1.1), ("min_p", 0.1), ("functions", [TOOL["function"]]),
 ])
 def test_a_parameter_we_do_not_implement_is_a_400_naming_it(server, param, value):
-    body = {"messages": MSG, "max_tokens": 3, param: value}
-    if param == "tool_choice":
-        body["tools"] = [TOOL]
-    err = error_of(post(server, body), 400)
-    assert err["param"] in (param, "tools") and err["code"] == "unsupported_parameter"
+    err = error_of(post(server, {"messages": MSG, "max_tokens": 3, param: value}), 400)
+    assert err["param"] == param and err["code"] == "unsupported_parameter"
 
 
 @pytest.mark.parametrize("extra", [
@@ -222,3 +219,67 @@ def test_a_request_past_the_time_limit_is_stopped_with_a_504(embedded):
         assert "specdec_timed_out_total 2" in httpx.get(s.url + "/metrics").text
     finally:
         s.stop()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_tool_calls_parse_validate_and_do_not_depend_on_speculation(server, choice):
+    import jsonschema
+
+    client = server.client(KEY)
+    msgs = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    got = {}
+    for arm, extra in (("spec", None), ("plain", {"num_draft_tokens": 0})):
+        r = client.chat.completions.create(model="default", messages=msgs, max_tokens=60,
+                                           temperature=0, tools=[WEATHER, TIME],
+                                           tool_choice=choice, extra_body=extra)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        call = c.message.tool_calls[0]
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments),
+                            tool["function"]["parameters"])
+        got[arm] = (call.function.name, call.function.arguments)
+        if arm == "spec":
+            assert r.model_extra["specdec"]["proposed"] > 0
+    assert got["spec"] == got["plain"]
+    # Streaming: the call arrives as tool_call deltas the client accumulates.
+    name, args = "", ""
+    with client.chat.completions.create(model="default", messages=msgs, max_tokens=60,
+                                        temperature=0, tools=[WEATHER, TIME],
+                                        tool_choice=choice, stream=True) as stream:
+        finish = None
+        for chunk in stream:
+            for ch in chunk.choices:
+                for tc in ch.delta.tool_calls or []:
+                    name += tc.function.name or ""
+                    args += tc.function.arguments or ""
+                finish = ch.finish_reason or finish
+    assert (name, args) == got["spec"] and finish == "tool_calls"
+
+
+def test_tool_choice_none_ignores_tools_and_auto_is_a_400(server):
+    plain = post(server, {"messages": MSG, "max_tokens": 4, "temperature": 0})
+    none = post(server, {"messages": MSG, "max_tokens": 4, "temperature": 0,
+                         "tools": [WEATHER], "tool_choice": "none"})
+    assert none.json()["choices"][0]["message"]["content"] == \
+        plain.json()["choices"][0]["message"]["content"]
+    for extra in ({}, {"tool_choice": "auto"}):
+        error_of(post(server, {"messages": MSG, "tools": [WEATHER], **extra}), 400,
+                 "tool_choice")
+    error_of(post(server, {"messages": MSG, "tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}), 400, "tool_choice")
