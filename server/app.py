@@ -330,7 +330,9 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
             if time.monotonic() - checked >= 0.5:
                 checked = time.monotonic()
                 if await http.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
+                    # Nobody to answer: the finally below stops the request; 499 (client
+                    # closed the request) goes nowhere, and no error is logged for it.
+                    return JSONResponse({"error": None}, status_code=499)
             if event is None:
                 continue
             if event[0] == "token":
