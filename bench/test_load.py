@@ -10,7 +10,7 @@ from tests.serverproc import Server
 
 def test_load_with_faults(benchmark, engine):
     def run_all() -> None:
-        s = Server("--max-batch", "8", "--max-queue", "8", "--request-timeout", "120")
+        s = Server("--max-batch", "8", "--max-queue", "8", "--request-timeout", "300")
         try:
             n = 160 if results.QUICK else 400
             r = run(s, clients=16, requests=n)

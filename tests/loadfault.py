@@ -65,7 +65,7 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
         body.update(temperature=0.8, seed=rng.randrange(1 << 30))
     try:
         if kind == "bad_json":
-            r = httpx.post(chat, content=b'{"messages": [', timeout=120,
+            r = httpx.post(chat, content=b'{"messages": [', timeout=300,
                            headers={"Content-Type": "application/json"})
             out("400" if r.status_code == 400 else f"unexpected {r.status_code}")
             if r.status_code != 400:
@@ -75,17 +75,17 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
             bad = {"logprobs": True} if kind == "bad_param" else {"response_format": {
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {
                     "type": "string", "pattern": "(?<=a)b"}}}}
-            r = httpx.post(chat, json={**body, **bad}, timeout=120)
+            r = httpx.post(chat, json={**body, **bad}, timeout=300)
             out("400" if r.status_code == 400 else f"unexpected {r.status_code}")
             if r.status_code != 400:
                 fail(f"{bad} gave {r.status_code}: {r.text[:200]}")
             return
         if kind == "completion":
             r = httpx.post(url + "/v1/completions", json={
-                "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, timeout=120)
+                "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, timeout=300)
         elif kind in ("stream", "leave_stream"):
             with httpx.stream("POST", chat, json={**body, "stream": True, "max_tokens": 40},
-                              timeout=120) as r:
+                              timeout=300) as r:
                 if r.status_code == 503:
                     out("503")
                     return
@@ -120,7 +120,7 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
                 out("left")
             return
         else:
-            r = httpx.post(chat, json=body, timeout=120)
+            r = httpx.post(chat, json=body, timeout=300)
         if r.status_code == 503:
             out("503")
             return

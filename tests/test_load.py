@@ -16,7 +16,7 @@ RSS_GROWTH_LIMIT_MB = 300
 
 def test_load_with_faults_loses_nothing(embedded):
     # A small batch and queue so 16 clients overflow it: some requests get 503.
-    s = Server("--max-batch", "4", "--max-queue", "6", "--request-timeout", "120")
+    s = Server("--max-batch", "4", "--max-queue", "6", "--request-timeout", "300")
     try:
         report = run(s, clients=16, requests=240)
         tally.record("load with faults: requests with an honest outcome",
