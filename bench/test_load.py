@@ -17,7 +17,7 @@ def test_load_with_faults(benchmark, engine):
         finally:
             s.stop()
         note = (f"16 clients, {n} mixed requests in {r.seconds:.0f}s; outcomes "
-                f"{dict(r.outcomes)}")
+                f"{dict(r.outcomes)}; 503s retried {r.queue_full}")
         results.add("load_requests", n, "requests", note)
         results.add("load_5xx", len(r.server_errors), "responses", note)
         results.add("load_lost", len(r.lost), "requests", note)

@@ -3,9 +3,11 @@ constrained, unconstrained, streaming, seeded and completion requests, interleav
 requests, clients that leave mid-stream or mid-generation, and enough load to hit the queue
 bound. Used by tests/test_load.py (CI size) and bench/test_load.py (the report's figures).
 
-Every request gets exactly one outcome; a 5xx, a hang or an answer that breaks its own
-constraint is a failure. `lost` counts requests that neither completed, nor were refused
-(4xx / 503 queue_full), nor were left by their own client on purpose.
+Clients behave like the `openai` client: a 503 (queue full) is retried after its
+Retry-After, up to 5 times. Every request gets exactly one outcome; a 5xx, a hang or an
+answer that breaks its own constraint is a failure. `lost` counts requests that neither
+completed, nor were refused (4xx; 503 after every retry), nor were left by their own client
+on purpose.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ KINDS = ("constrained", "free", "stream", "seeded", "completion", "bad_json", "b
          "bad_schema", "leave_stream", "leave_generation")
 
 
+RETRIES = 5
+
+
 @dataclass
 class LoadReport:
     requests: int = 0
+    queue_full: int = 0  # 503 responses seen (each retried)
     outcomes: Counter = field(default_factory=Counter)
     server_errors: list[str] = field(default_factory=list)  # 5xx and broken answers
     lost: list[str] = field(default_factory=list)
@@ -55,6 +61,17 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
     def fail(what: str) -> None:
         with lock:
             report.server_errors.append(f"{kind}: {what}")
+
+    def retrying(send):
+        """Send; on 503 wait Retry-After and send again (RETRIES times at most)."""
+        for _ in range(RETRIES):
+            r = send()
+            if r.status_code != 503:
+                return r
+            with lock:
+                report.queue_full += 1
+            time.sleep(float(r.headers.get("retry-after", "1")))
+        return r
 
     chat = url + "/v1/chat/completions"
     body: dict = {"messages": MSG, "max_tokens": rng.choice([6, 12, 20]), "temperature": 0}
@@ -81,46 +98,30 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
                 fail(f"{bad} gave {r.status_code}: {r.text[:200]}")
             return
         if kind == "completion":
-            r = httpx.post(url + "/v1/completions", json={
-                "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, timeout=300)
+            r = retrying(lambda: httpx.post(url + "/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, timeout=300))
         elif kind in ("stream", "leave_stream"):
-            with httpx.stream("POST", chat, json={**body, "stream": True, "max_tokens": 40},
-                              timeout=300) as r:
-                if r.status_code == 503:
-                    out("503")
-                    return
-                if r.status_code != 200:
-                    fail(f"stream gave {r.status_code}")
-                    return
-                text, done = "", False
-                for i, line in enumerate(r.iter_lines()):
-                    if kind == "leave_stream" and i >= 2:
-                        out("left")  # the client walks away mid-stream
+            for _ in range(RETRIES):
+                with httpx.stream("POST", chat, json={**body, "stream": True, "max_tokens": 40},
+                                  timeout=300) as r:
+                    if r.status_code != 503:
+                        _read_stream(r, kind, out, fail, report, lock)
                         return
-                    if line == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data: "):
-                        ev = json.loads(line[6:])
-                        if "error" in ev:
-                            fail(f"stream error event {ev['error']}")
-                            return
-                        for c in ev.get("choices", []):
-                            text += (c.get("delta") or {}).get("content") or ""
-                if not done:
                     with lock:
-                        report.lost.append(f"{kind}: stream ended without [DONE]")
-                    return
-                out("200")
-                return
+                        report.queue_full += 1
+                    wait = float(r.headers.get("retry-after", "1"))
+                time.sleep(wait)
+            out("503")
+            return
         elif kind == "leave_generation":
             try:  # a non-streaming client that gives up while tokens are still flowing
-                httpx.post(chat, json={**body, "max_tokens": 300}, timeout=0.8)
-                out("200")  # finished before the client gave up
+                r = httpx.post(chat, json={**body, "max_tokens": 300}, timeout=0.8)
+                out("503" if r.status_code == 503 else "200")  # done before it gave up
             except httpx.TimeoutException:
                 out("left")
             return
         else:
-            r = httpx.post(chat, json=body, timeout=300)
+            r = retrying(lambda: httpx.post(chat, json=body, timeout=300))
         if r.status_code == 503:
             out("503")
             return
@@ -139,6 +140,29 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
             report.lost.append(f"{kind}: client timed out ({e!r})")
     except (httpx.HTTPError, ValueError, KeyError) as e:
         fail(f"{type(e).__name__}: {e}")
+
+
+def _read_stream(r, kind, out, fail, report, lock) -> None:
+    if r.status_code != 200:
+        fail(f"stream gave {r.status_code}")
+        return
+    done = False
+    for i, line in enumerate(r.iter_lines()):
+        if kind == "leave_stream" and i >= 2:
+            out("left")  # the client walks away mid-stream
+            return
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                fail(f"stream error event {ev['error']}")
+                return
+    if not done:
+        with lock:
+            report.lost.append(f"{kind}: stream ended without [DONE]")
+        return
+    out("200")
 
 
 def run(server, clients: int = 16, requests: int = 200, seed: int = 0) -> LoadReport:
