@@ -44,7 +44,8 @@ def _logits_np(x: mx.array) -> np.ndarray:
 def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                      eos_token_ids: Sequence[int], max_tokens: int,
                      matcher: LLMatcher | None = None, temperature: float = 0.0,
-                     top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> OracleResult:
+                     top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                     logit_bias: Sequence[tuple[int, float]] = ()) -> OracleResult:
     """Decode like the contract says, one forward per token, checking masks as it goes.
 
     Args:
@@ -55,6 +56,7 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         max_tokens: most tokens to generate.
         matcher: a fresh llguidance matcher for the request's grammar (advanced here).
         temperature, top_k, top_p, seed: the documented decision rule's parameters.
+        logit_bias: (token id, value) added to the logits before the grammar mask.
     Returns:
         Tokens, finish reason ("stop" / "length") and per-step margins.
     Raises:
@@ -70,8 +72,14 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
     tokens: list[int] = []
     steps: list[OracleStep] = []
     finish = "length"
+    bias = np.zeros(vocab_size, dtype=np.float32)
+    for t, v in logit_bias:
+        if t < vocab_size:
+            bias[t] += np.float32(v)
     for i in range(max_tokens):
         x = logits.copy()
+        if len(logit_bias):
+            x = x + bias
         if matcher is not None:
             llnp.fill_next_token_bitmask(matcher, bitmask, 0)
             if matcher.is_error():

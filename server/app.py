@@ -142,7 +142,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         except DraftConfigError as e:
             raise bad_request(str(e), "num_draft_tokens") from e
         except RequestError as e:
-            raise bad_request(str(e), "max_tokens" if "max_tokens" in str(e) else "messages",
+            param = next((p for p in ("max_tokens", "logit_bias") if p in str(e)), "messages")
+            raise bad_request(str(e), param,
                               "context_length_exceeded" if "context" in str(e) else None) from e
 
     async def run(request: Request, common: Common, to_ids: Any, kind: str) -> Any:

@@ -15,7 +15,7 @@ from .errors import bad_request
 # 400 naming them (never silently ignored), unless given their no-op value.
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "best_of": (None, 1),
     "echo": (None, False), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
@@ -131,10 +131,19 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     top_p = float(_typed(body, "top_p", (int, float), 1.0))
     top_k = int(_typed(body, "top_k", (int,), 0))
     seed = _typed(body, "seed", (int,), None)
+    raw_bias = _typed(body, "logit_bias", (dict,), {})
+    bias = []
+    for k, v in raw_bias.items():
+        if not (isinstance(k, str) and k.isdigit()) or isinstance(v, bool) or \
+                not isinstance(v, (int, float)):
+            raise bad_request(f"logit_bias must map token ids (strings of digits) to numbers; "
+                              f"got {k!r}: {v!r}", "logit_bias")
+        bias.append((int(k), float(v)))
     try:
-        return SamplingParams(temperature, top_p, top_k, seed)
+        return SamplingParams(temperature, top_p, top_k, seed, tuple(sorted(bias)))
     except SamplingError as e:
-        raise bad_request(str(e), str(e).split("=")[0]) from e
+        param = "logit_bias" if str(e).startswith("logit_bias") else str(e).split("=")[0]
+        raise bad_request(str(e), param) from e
 
 
 def parse_spec(body: dict[str, Any]) -> dict[str, Any] | None | str:

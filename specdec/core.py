@@ -40,7 +40,8 @@ from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings
 from .decode import PREFILL_CHUNK
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex
-from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
+from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_noise,
+                       unpack_bitmask)
 from .speculative import SpecConfig, SpecStats, _trim, draft_steps, verify_masks
 
 log = logging.getLogger("specdec")
@@ -92,6 +93,7 @@ class DecodeState:
     index: NgramIndex | None = None
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
+    bias: mx.array | None = None  # the request's logit bias, dense (V,)
     finish: FinishReason | None = None
     error: GrammarStateError | None = None
 
@@ -154,6 +156,7 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
             log.log(level, "speculation limited: %s (said once per reason)", stats.spec_off)
     s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
                     stats, t_cache, d_cache, list(prompt))
+    s.bias = bias_vector(params, models.vocab_size)
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if spec is not None and spec.lookup:
         s.index = NgramIndex(s.seq)
@@ -271,6 +274,8 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
             picks.append(None)
             continue
         x = logits[i][:len(props[i]) + 1]
+        if s.bias is not None:  # before the mask: a bias never lets a banned token out
+            x = x + s.bias
         if masks[i] is not None:
             x = apply_mask(x, unpack_bitmask(mx.array(masks[i]), models.vocab_size))
         noise = None

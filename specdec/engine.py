@@ -7,6 +7,8 @@ scheduler the same pieces for batched serving. It holds no HTTP; `server/` adapt
 
 from __future__ import annotations
 
+import dataclasses
+
 import concurrent.futures
 import secrets
 import time
@@ -218,12 +220,15 @@ class Engine:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside [0, "
                                f"{self.target.vocab_size})")
+        bad = [t for t, _ in sampling.logit_bias if t >= self.target.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside [0, "
+                               f"{self.target.vocab_size})")
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
         grammar = self.compile(constraint, compile_timeout_s) if constraint is not None else None
         if not sampling.greedy and sampling.seed is None:
-            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
-                                      secrets.randbits(63))
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
                        tuple(stop), spec, grammar)
 

@@ -36,12 +36,15 @@ class SamplingParams:
         top_k: keep the k highest logits; 0 disables it.
         seed: randomness seed (non-negative int). Required when sampling; the generate
             wrappers draw one and report it when the caller gives none.
+        logit_bias: (token id, value in [-100, 100]) pairs added to the target's logits
+            before the grammar mask (so a bias never lets a banned token out).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
@@ -52,6 +55,11 @@ class SamplingParams:
             raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
         if self.seed is not None and not (0 <= self.seed <= _MASK64):
             raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)")
+        for tok, v in self.logit_bias:
+            if not (isinstance(tok, int) and tok >= 0):
+                raise SamplingError(f"logit_bias token {tok!r}: must be a token id >= 0")
+            if not (-100.0 <= v <= 100.0):
+                raise SamplingError(f"logit_bias[{tok}]={v}: must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +95,17 @@ def position_noise(seed: int, position: int, vocab: int) -> np.ndarray:
     # 23 bits: with 24, (2**24 - 0.5) rounds up to 2**24 in float32, u hits 1 and g = inf.
     u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
     return -np.log(-np.log(u))
+
+
+def bias_vector(params: SamplingParams, vocab: int) -> mx.array | None:
+    """The request's logit bias as a dense float32 (vocab,) vector, or None without one."""
+    if not params.logit_bias:
+        return None
+    b = np.zeros(vocab, dtype=np.float32)
+    for tok, v in params.logit_bias:
+        if tok < vocab:
+            b[tok] += np.float32(v)
+    return mx.array(b)
 
 
 def unpack_bitmask(bitmask: mx.array, vocab: int) -> mx.array:

@@ -114,7 +114,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("param,value", [
     ("logprobs", True), ("top_logprobs", 3),
-    ("logit_bias", {"42": 5}), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+    ("presence_penalty", 0.5), ("frequency_penalty", 1),
     ("repetition_penalty", 1.1), ("min_p", 0.1), ("functions", [TOOL["function"]]),
 ])
 def test_a_parameter_we_do_not_implement_is_a_400_naming_it(server, param, value):
@@ -283,3 +283,16 @@ def test_tool_choice_none_ignores_tools_and_auto_is_a_400(server):
                  "tool_choice")
     error_of(post(server, {"messages": MSG, "tools": [WEATHER], "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}), 400, "tool_choice")
+
+
+def test_logit_bias_moves_the_pick_and_bad_bias_is_a_400(server):
+    from specdec.models import load
+
+    body = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+    text = post(server, body, path="/v1/completions").json()["choices"][0]["text"]
+    tid = load().tokenizer.encode(text, add_special_tokens=False)[0]
+    moved = post(server, {**body, "logit_bias": {str(tid): -100}}, path="/v1/completions")
+    assert moved.status_code == 200 and moved.json()["choices"][0]["text"] != text
+    for bad in ({"x": 1}, {"5": 200}, {"99999999": 1}, {"5": True}):
+        error_of(post(server, {**body, "logit_bias": bad}, path="/v1/completions"), 400,
+                 "logit_bias")
