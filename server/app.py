@@ -125,7 +125,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             return engine.prepare(ids, constraint=common.constraint, sampling=common.sampling,
                                   max_tokens=max_tokens, stop=common.stop,
                                   spec=spec,  # type: ignore[arg-type]
-                                  compile_timeout_s=compile_timeout_s)
+                                  compile_timeout_s=compile_timeout_s,
+                                  logprobs=common.logprobs)
 
         loop = asyncio.get_running_loop()
         try:
@@ -160,10 +161,11 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         headers = {"Warning": _warning_header(warnings)} if warnings else {}
         if common.stream:
-            return StreamingResponse(_sse(job, common, rid, model_name, kind, metrics, warnings),
+            return StreamingResponse(_sse(job, common, rid, model_name, kind, metrics, warnings,
+                                          engine.target.tokenizer),
                                      media_type="text/event-stream", headers=headers)
         return await _complete(job, rid, model_name, kind, request, metrics, warnings, headers,
-                               tools=bool(common.tools))
+                               tools=bool(common.tools), tokenizer=engine.target.tokenizer)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -291,6 +293,28 @@ def _error_of(e: Exception) -> APIError:
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 
+def _logprobs_of(kind: str, lps: list[Any], tokenizer: Any) -> dict[str, Any]:
+    """OpenAI's `logprobs` object for tokens' `core.TokenLogprob`s: chat's `content` list
+    (token text, logprob, UTF-8 bytes, top_logprobs), or completions' parallel lists."""
+    def text(t: int) -> str:
+        return str(tokenizer.decode([t], skip_special_tokens=False))
+
+    if kind == "chat":
+        return {"content": [
+            {"token": text(e.token), "logprob": e.logprob,
+             "bytes": list(text(e.token).encode()),
+             "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                              for a, b in e.top]} for e in lps]}
+    tokens = [text(e.token) for e in lps]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in lps],
+            "top_logprobs": [{text(a): b for a, b in e.top} for e in lps],
+            "text_offset": offsets}
+
+
 def _tool_call(text: str, finish: str | None) -> dict[str, Any] | None:
     """The OpenAI tool call in a tool-mode output (the grammar's {"name", "arguments"}), or
     None when generation stopped before the call was complete."""
@@ -318,8 +342,9 @@ def _choice(kind: str, text: str, finish: str | None, tools: bool = False) -> di
 
 async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
                     metrics: Metrics, warnings: tuple[str, ...], headers: dict[str, str],
-                    tools: bool = False) -> JSONResponse:
+                    tools: bool = False, tokenizer: Any = None) -> JSONResponse:
     n = 0
+    lps: list[Any] = []
     checked = time.monotonic()
     try:
         while True:
@@ -338,6 +363,7 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
                 continue
             if event[0] == "token":
                 n += 1
+                lps.extend(event[3])
             elif event[0] == "error":
                 raise _error_of(event[1])
             else:
@@ -346,27 +372,36 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
     finally:
         job.cancelled.set()  # a no-op when done; stops the engine when the client left
     metrics.observe(len(job.request.prompt_ids), n, stats, seconds)
+    choice = _choice(kind, text, finish, tools)
+    if job.request.logprobs is not None:
+        choice["logprobs"] = _logprobs_of(kind, lps, tokenizer)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()), "model": model,
-        "choices": [_choice(kind, text, finish, tools)], "usage": _usage(job, n),
+        "choices": [choice], "usage": _usage(job, n),
         "specdec": _extension(job, stats, seconds, warnings)}, headers=headers)
 
 
 async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metrics: Metrics,
-               warnings: tuple[str, ...]) -> AsyncIterator[str]:
+               warnings: tuple[str, ...], tokenizer: Any = None) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
+    pending: list[Any] = []  # logprobs of tokens not yet sent with a chunk
+
     def chunk(content: str | None, finish: str | None, first: bool = False) -> str:
+        lp = None
+        if common.logprobs is not None and (pending or content):
+            lp = _logprobs_of(kind, pending, tokenizer)
+            pending.clear()
         if kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
                 {} if content is None else {"content": content})
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
-                                      "logprobs": None}
+                                      "logprobs": lp}
         else:
             choice = {"index": 0, "text": content or "", "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": lp}
         body = {"id": rid, "object": obj, "created": created, "model": model,
                 "choices": [choice]}
         return f"data: {json.dumps(body)}\n\n"
@@ -379,6 +414,7 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
             event = await job.events.get()
             if event[0] == "token":
                 n += 1
+                pending.extend(event[3])
                 if event[2] and not common.tools:  # a tool call is sent whole, at the end
                     sent += event[2]
                     yield chunk(event[2], None)

@@ -15,7 +15,7 @@ from .errors import bad_request
 # 400 naming them (never silently ignored), unless given their no-op value.
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "best_of": (None, 1),
     "echo": (None, False), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
@@ -44,6 +44,7 @@ class Common:
     include_usage: bool
     spec: dict[str, Any] | None | str  # "default": the server's settings; dict: overrides
     tools: tuple[dict[str, Any], ...] = ()  # the tools the output calls one of (tool mode)
+    logprobs: int | None = None  # None: off; n: each token's logprob and its top n
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,28 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Const
     return tuple(fns), Constraint.json_schema(schema, lenient=not strict)
 
 
+def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Chat: `logprobs` (bool) and `top_logprobs` (0..20); completions: `logprobs` (0..20,
+    the number of alternatives). None when not asked for."""
+    if chat:
+        on = _typed(body, "logprobs", (bool,), False)
+        top = _typed(body, "top_logprobs", (int,), None)
+        if top is not None and not on:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        n = top if top is not None else 0
+        param = "top_logprobs"
+    else:
+        lp = _typed(body, "logprobs", (int,), None)
+        if lp is None:
+            return None
+        on, n, param = True, lp, "logprobs"
+    if not on:
+        return None
+    if not 0 <= n <= 20:
+        raise bad_request(f"{param}={n}: must be in [0, 20]", param)
+    return n
+
+
 def parse_common(body: Any, allow_response_format: bool) -> Common:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
@@ -281,7 +304,8 @@ def parse_common(body: Any, allow_response_format: bool) -> Common:
     return Common(model=_typed(body, "model", (str,), None), constraint=constraint,
                   sampling=parse_sampling(body), max_tokens=max_tokens, stop=stops,
                   stream=stream, include_usage=bool(so.get("include_usage", False)),
-                  spec=parse_spec(body), tools=tools)
+                  spec=parse_spec(body), tools=tools,
+                  logprobs=parse_logprobs(body, chat=allow_response_format))
 
 
 def parse_chat(body: Any) -> ChatRequest:

@@ -68,7 +68,7 @@ class EngineWorker:
             elif ev.final:
                 job.post("done", ev.finish, ev.full_text, ev.stats, ev.seconds)
             else:
-                job.post("token", ev.tokens[0], ev.text)
+                job.post("token", ev.tokens[0], ev.text, ev.logprobs)
 
         self.scheduler.submit(Ticket(start=lambda: engine.new_state(req, stats),
                                      text=engine.text_stream(req), sink=sink,

@@ -65,6 +65,17 @@ class Models:
     draft_vocab_size: int = 0
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the distribution it was picked from (the
+    target's logits with the bias, under the grammar mask, at the temperature; before top-k
+    and top-p), and the `top` most likely tokens of that distribution, best first."""
+
+    token: TokenId
+    logprob: float
+    top: tuple[tuple[TokenId, float], ...] = ()
+
+
 @dataclass(eq=False)
 class DecodeState:
     """One request in flight: everything a round needs, nothing in generator locals.
@@ -94,6 +105,8 @@ class DecodeState:
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
+    logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
     finish: FinishReason | None = None
     error: GrammarStateError | None = None
 
@@ -114,7 +127,7 @@ class DecodeState:
 def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
               eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
               spec: SpecConfig | None = None, matcher: LLMatcher | None = None,
-              stats: SpecStats | None = None) -> DecodeState:
+              stats: SpecStats | None = None, logprobs: int | None = None) -> DecodeState:
     """A request's state with empty caches (prefill with `prefill` or `prefill_chunk`).
 
     Raises:
@@ -157,6 +170,7 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
                     stats, t_cache, d_cache, list(prompt))
     s.bias = bias_vector(params, models.vocab_size)
+    s.logprobs = logprobs
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if spec is not None and spec.lookup:
         s.index = NgramIndex(s.seq)
@@ -235,6 +249,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
     error ends that request only (`state.error`); the others carry on."""
     for s in states:
         s.new_tokens = []  # what this round emits (nothing for a finished request)
+        s.new_logprobs = []
     live = [s for s in states if s.ready]
     if not live:
         return
@@ -269,6 +284,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         masks[i] = bitmask
     # 3. Pick: every request's rows under its own mask, parameters and noise; one sync.
     picks: list[mx.array | None] = []
+    lps: dict[int, tuple[mx.array, ...]] = {}
     for i, s in enumerate(live):
         if s.error is not None:
             picks.append(None)
@@ -284,8 +300,10 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
                                                       models.vocab_size)
                                        for j in range(len(props[i]) + 1)]))
         picks.append(pick(x, s.params, noise))
+        if s.logprobs is not None:
+            lps[i] = _logprobs(x, picks[-1], s.params, s.logprobs)
     tw = time.perf_counter()
-    mx.eval([p for p in picks if p is not None])
+    mx.eval([p for p in picks if p is not None], list(lps.values()))
     wait = time.perf_counter() - tw
     verify_s = time.perf_counter() - t0
     # 4. Accept and trim, per request.
@@ -294,7 +312,25 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.verify_s += verify_s
         s.stats.steps += 1
         if s.error is None:
-            _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i])
+            _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i],
+                    lps.get(i))
+
+
+def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
+              ) -> tuple[mx.array, ...]:
+    """Rows' log-probabilities of their picks, and their top-n (ids, values), from masked
+    logits x (rows, V): log_softmax(x / T) with T the temperature (1 when greedy)."""
+    t = 1.0 if params.greedy else params.temperature
+    lp = x / mx.array(t, dtype=mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, picks[:, None].astype(mx.int32), axis=-1)[:, 0]
+    if n <= 0:
+        return (chosen,)
+    ids = mx.argpartition(-lp, n - 1, axis=-1)[:, :n]
+    vals = mx.take_along_axis(lp, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return (chosen, mx.take_along_axis(ids, order, axis=-1),
+            mx.take_along_axis(vals, order, axis=-1))
 
 
 def _propose_all(models: Models, live: Sequence[DecodeState]
@@ -346,7 +382,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
 
 
 def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
-            picks: list[int], width: int) -> None:
+            picks: list[int], width: int, lps: tuple[mx.array, ...] | None = None) -> None:
     """Emit the agreeing prefix and the bonus pick; trim the caches (the target's was
     advanced by `width` proposals, including any the backstop cut)."""
     out: list[TokenId] = []
@@ -373,6 +409,12 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
             return
         s.seq.append(t)
         s.new_tokens.append(t)
+        if lps is not None:
+            j = n_emit
+            top = () if len(lps) == 1 else tuple(
+                (int(a), float(b)) for a, b in zip(lps[1][j].tolist(), lps[2][j].tolist())
+                if b != -np.inf)
+            s.new_logprobs.append(TokenLogprob(t, float(lps[0][j].item()), top))
         n_emit += 1
         s.emitted += 1
         if s.matcher is not None and s.matcher.is_stopped():

@@ -89,6 +89,8 @@ class Request:
         stop: strings that end the output (not included in it).
         spec: speculative settings, or None for plain decoding.
         grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
+        logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
+            alternatives (`core.TokenLogprob`; the scheduler's events carry them).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -98,6 +100,7 @@ class Request:
     stop: tuple[str, ...] = ()
     spec: SpecConfig | None = None
     grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
+    logprobs: int | None = None
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -184,7 +187,8 @@ class Engine:
                 sampling: SamplingParams = SamplingParams(),
                 max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
                 spec: SpecConfig | None | Literal["default"] = "default",
-                compile_timeout_s: float | None = None) -> Request:
+                compile_timeout_s: float | None = None, logprobs: int | None = None
+                ) -> Request:
         """Validate a request, compile its constraint and fill in its seed: the one door for
         the CLI, the server and the benchmarks.
 
@@ -229,8 +233,10 @@ class Engine:
         grammar = self.compile(constraint, compile_timeout_s) if constraint is not None else None
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
+            raise RequestError(f"top_logprobs={logprobs!r}: must be an integer in [0, 20]")
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
-                       tuple(stop), spec, grammar)
+                       tuple(stop), spec, grammar, logprobs)
 
     def compile(self, constraint: Constraint, timeout_s: float | None = None
                 ) -> CompiledGrammar:
@@ -316,7 +322,7 @@ class Engine:
         return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
                          eos_token_ids=self.target.eos_token_ids, params=req.sampling,
                          spec=req.spec, matcher=grammar.matcher() if grammar else None,
-                         stats=stats)
+                         stats=stats, logprobs=req.logprobs)
 
     def text_stream(self, req: Request) -> "TextStream":
         return TextStream(self.decode_text, req.stop)

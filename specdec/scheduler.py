@@ -48,6 +48,7 @@ class Event:
 
     tokens: tuple[TokenId, ...] = ()
     text: str = ""
+    logprobs: tuple = ()  # core.TokenLogprob per token, when the request asked for them
     finish: FinishReason | None = None
     full_text: str = ""
     stats: SpecStats | None = None
@@ -207,9 +208,10 @@ class Scheduler:
             assert s is not None
             if s.new_tokens and not t.cancelled.is_set():
                 stop = False
-                for tok in s.new_tokens:
+                for j, tok in enumerate(s.new_tokens):
                     delta, stop = t.text.feed(tok)
-                    t.sink(Event((tok,), delta))
+                    t.sink(Event((tok,), delta, (s.new_logprobs[j],)
+                                 if j < len(s.new_logprobs) else ()))
                     if stop:
                         s.finish = "stop"
                         break

@@ -113,7 +113,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("param,value", [
-    ("logprobs", True), ("top_logprobs", 3),
     ("presence_penalty", 0.5), ("frequency_penalty", 1),
     ("repetition_penalty", 1.1), ("min_p", 0.1), ("functions", [TOOL["function"]]),
 ])
@@ -296,3 +295,69 @@ def test_logit_bias_moves_the_pick_and_bad_bias_is_a_400(server):
     for bad in ({"x": 1}, {"5": 200}, {"99999999": 1}, {"5": True}):
         error_of(post(server, {**body, "logit_bias": bad}, path="/v1/completions"), 400,
                  "logit_bias")
+
+
+@pytest.fixture(scope="module")
+def reference_server(embedded):
+    # The reference BLAS: speculative and plain rows are bitwise equal there, so their
+    # logprobs must be too.
+    s = Server("--num-draft-tokens", "4", env={"SPECDEC_BLAS": "reference"})
+    yield s
+    s.stop()
+
+
+def test_logprobs_are_those_of_the_pick_and_equal_with_and_without_speculation(
+        reference_server):
+    import math
+
+    client = reference_server.client()
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer"}},
+              "required": ["colour", "n"], "additionalProperties": False}
+    got = {}
+    for arm, extra in (("spec", None), ("plain", {"num_draft_tokens": 0})):
+        r = client.chat.completions.create(
+            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
+            top_logprobs=3, extra_body=extra, response_format={
+                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        content = r.choices[0].logprobs.content
+        assert "".join(c.token for c in content) == r.choices[0].message.content
+        for c in content:
+            assert c.logprob <= 0 and c.top_logprobs[0].token == c.token  # greedy: the top
+            assert c.top_logprobs[0].logprob == c.logprob
+            assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1 + 1e-5
+            assert bytes(c.bytes).decode() == c.token
+        got[arm] = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
+                    for c in content]
+        if arm == "spec":
+            assert r.model_extra["specdec"]["proposed"] > 0
+    assert got["spec"] == got["plain"]
+    # A forced position (one token allowed) has logprob 0 under the mask.
+    assert any(lp == 0.0 for _, lp, _ in got["plain"])
+    # Streaming carries the same entries, chunk by chunk.
+    streamed = []
+    with client.chat.completions.create(
+            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
+            top_logprobs=3, stream=True, response_format={
+                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}) as st:
+        for chunk in st:
+            for ch in chunk.choices:
+                if ch.logprobs and ch.logprobs.content:
+                    streamed += [(c.token, c.logprob, [(t.token, t.logprob)
+                                                        for t in c.top_logprobs])
+                                 for c in ch.logprobs.content]
+    assert streamed == got["spec"]
+    # Completions: parallel lists.
+    r = httpx.post(reference_server.url + "/v1/completions", timeout=300, json={
+        "prompt": "One, two,", "max_tokens": 3, "temperature": 0, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+
+
+@pytest.mark.parametrize("extra,param", [({"top_logprobs": 2}, "top_logprobs"),
+                                         ({"logprobs": True, "top_logprobs": 21},
+                                          "top_logprobs")])
+def test_bad_logprobs_requests_are_a_400(server, extra, param):
+    error_of(post(server, {"messages": MSG, "max_tokens": 2, **extra}), 400, param)
