@@ -89,7 +89,7 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
                 fail(f"bad JSON gave {r.status_code}")
             return
         if kind in ("bad_param", "bad_schema"):
-            bad = {"logprobs": True} if kind == "bad_param" else {"response_format": {
+            bad = {"presence_penalty": 0.5} if kind == "bad_param" else {"response_format": {
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {
                     "type": "string", "pattern": "(?<=a)b"}}}}
             r = httpx.post(chat, json={**body, **bad}, timeout=300)
