@@ -40,6 +40,19 @@ CELLS = [
 PLAIN_BECAUSE = {"lfm2": "ArraysCache", "gemma3": "sliding-window"}
 
 
+def _plain_and_oracle(e, target, ids, constraint, params):
+    """Plain decoding of a request and the oracle's decode of it (its logit bias included)."""
+    want = plain(e, ids, constraint, params, MAX_TOKENS) if constraint else \
+        e.generate(e.prepare(ids, sampling=params, max_tokens=MAX_TOKENS, spec=None))
+    g = e.compiled(e.prepare(ids, constraint=constraint)) if constraint else None
+    ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
+                           eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
+                           matcher=g.matcher() if g else None, temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, seed=params.seed or 0,
+                           logit_bias=params.logit_bias)
+    return want, ref
+
+
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
@@ -119,14 +132,7 @@ def test_family_plain_equals_oracle_and_cells_equal_plain(family_dir, name):
     bad: list[str] = []
     for mode, params in MODES.items():
         for constraint in (SCHEMA, None):
-            want = plain(e, ids, constraint, params, MAX_TOKENS) if constraint else \
-                e.generate(e.prepare(ids, sampling=params, max_tokens=MAX_TOKENS, spec=None))
-            g = e.compiled(e.prepare(ids, constraint=constraint)) if constraint else None
-            ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
-                                   eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
-                                   matcher=g.matcher() if g else None,
-                                   temperature=params.temperature, top_k=params.top_k,
-                                   top_p=params.top_p, seed=params.seed or 0)
+            want, ref = _plain_and_oracle(e, target, ids, constraint, params)
             same = list(want.tokens) == list(ref.tokens)
             tally.record("families: plain vs oracle", same)
             if not same:
@@ -263,14 +269,7 @@ def test_logit_bias_is_applied_before_the_mask_in_every_path(family_dir, name):
     for mode, params in MODES.items():
         params = dataclasses.replace(params, logit_bias=bias)
         for constraint in (SCHEMA, None):
-            want = plain(e, ids, constraint, params, MAX_TOKENS) if constraint else \
-                e.generate(e.prepare(ids, sampling=params, max_tokens=MAX_TOKENS, spec=None))
-            g = e.compiled(e.prepare(ids, constraint=constraint)) if constraint else None
-            ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
-                                   eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
-                                   matcher=g.matcher() if g else None,
-                                   temperature=params.temperature, top_k=params.top_k,
-                                   top_p=params.top_p, seed=params.seed or 0, logit_bias=bias)
+            want, ref = _plain_and_oracle(e, target, ids, constraint, params)
             assert list(want.tokens) == list(ref.tokens), (mode, constraint)
             tally.record("families: plain vs oracle, logit bias", True)
             if constraint is None:
