@@ -32,6 +32,8 @@ from specdec.speculative import DraftConfigError
 
 from .errors import APIError, bad_request
 from .metrics import Metrics
+from .openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, Health, ModelList,
+                      error_responses, openapi)
 from .protocol import Common, parse_chat, parse_completion
 from .worker import EngineWorker, Job
 from specdec.scheduler import DeadlineExceeded, QueueFull
@@ -54,6 +56,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     """The ASGI app serving `engine`: one scheduler thread decoding up to `max_batch`
     requests together, `max_queue` more waiting (then 503); compiles in a small pool."""
     app = FastAPI(title="specdec")
+    app.openapi = lambda: openapi(app, engine.target.vocab_size)  # type: ignore[method-assign]
     worker = EngineWorker(engine, max_batch=max_batch, max_queue=max_queue,
                           request_timeout_s=request_timeout_s)
     metrics = Metrics()
@@ -167,22 +170,22 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         return await _complete(job, rid, model_name, kind, request, metrics, warnings, headers,
                                tools=bool(common.tools), tokenizer=engine.target.tokenizer)
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health)
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model_name, "queue_depth": worker.queue_depth}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def prom() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(worker.queue_depth, worker.scheduler.stats,
                                                 worker.scheduler.active),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": 0, "owned_by": "specdec"}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat(request: Request) -> Any:
         body = parse_chat(await read_body(request))
         check_model(body.common)
@@ -193,7 +196,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             body.messages, constrained=body.common.constraint is not None,
             template=chat_template, template_kwargs=kwargs), "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(request: Request) -> Any:
         body = parse_completion(await read_body(request))
         check_model(body.common)

@@ -26,6 +26,7 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
 ROLES = ("system", "developer", "user", "assistant")
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar",
                     "choice": "choice", "json_object": "json_object"}
@@ -64,6 +65,8 @@ def _typed(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any
     v = body.get(key, default)
     if v is None:
         return default
+    if int in types and float not in types and isinstance(v, float) and v.is_integer():
+        return int(v)  # JSON Schema's integer: 5.0 is one
     names = " or ".join("number" if t is float else t.__name__ for t in types)
     if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
         raise bad_request(f"'{key}' must be {names}, got {type(v).__name__}", key)
@@ -213,7 +216,10 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Const
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': "
                               "{'name': ..., 'parameters': {...}}}", f"tools[{i}]")
-        params = f.get("parameters", {"type": "object", "properties": {}})
+        if f.get("parameters") is None:  # absent or null: a function without parameters
+            f = {**f, "parameters": NO_PARAMETERS}
+            t = {**t, "function": f}
+        params = f["parameters"]
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
                               f"tools[{i}].function.parameters")
@@ -237,8 +243,7 @@ def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Const
                           "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"].get(
-                                 "parameters", {"type": "object", "properties": {}})}}
+                             "arguments": t["function"]["parameters"]}}
              for t in fns]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     strict = all(t["function"].get("strict") is True for t in fns)
@@ -368,6 +373,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and all(isinstance(t, float) and t.is_integer() for t in prompt
+                                        if not isinstance(t, int)):
+        prompt = [int(t) for t in prompt]  # JSON Schema's integer: 5.0 is one
     ok_ids = isinstance(prompt, list) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not ok_ids:

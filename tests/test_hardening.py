@@ -179,6 +179,31 @@ def test_bad_messages_are_a_400_naming_the_message(server, messages, param):
     ok_after(server)
 
 
+def test_integers_written_as_floats_are_integers_and_fractions_are_a_400(server):
+    # JSON Schema's integer includes 3.0 (the OpenAPI document says integer; generators and
+    # some clients write it so). 3.5 is not one.
+    as_int = post(server, {"prompt": [504, 3145], "max_tokens": 3, "temperature": 0},
+                  path="/v1/completions")
+    as_float = post(server, {"prompt": [504.0, 3145.0], "max_tokens": 3.0, "temperature": 0,
+                             "seed": 7.0}, path="/v1/completions")
+    assert as_float.status_code == 200, as_float.text
+    assert as_float.json()["choices"][0]["text"] == as_int.json()["choices"][0]["text"]
+    assert as_float.json()["usage"]["completion_tokens"] == 3
+    error_of(post(server, {"messages": MSG, "max_tokens": 3.5}), 400, "max_tokens")
+    error_of(post(server, {"prompt": [504.5], "max_tokens": 3}, path="/v1/completions"), 400,
+             "prompt")
+
+
+@pytest.mark.parametrize("parameters", [None, "absent"])
+def test_a_tool_without_parameters_is_called_with_an_empty_object(server, parameters):
+    fn = {"name": "ping"} | ({} if parameters == "absent" else {"parameters": parameters})
+    r = post(server, {"messages": MSG, "max_tokens": 20, "tools": [
+        {"type": "function", "function": fn}], "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "ping" and json.loads(call["arguments"]) == {}
+
+
 def test_cli_exits_3_when_max_tokens_cuts_a_constrained_output(tmp_path, embedded):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps({"type": "object", "properties": {
