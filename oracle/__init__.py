@@ -6,7 +6,7 @@ numpy, from the documented definitions.
 """
 
 from .compare import Divergence, first_divergence, report
-from .reference import OracleResult, OracleStep, reference_decode
+from .reference import OracleResult, OracleStep, ThinkingRule, reference_decode
 
-__all__ = ["Divergence", "OracleResult", "OracleStep", "first_divergence", "reference_decode",
-           "report"]
+__all__ = ["Divergence", "OracleResult", "OracleStep", "ThinkingRule", "first_divergence",
+           "reference_decode", "report"]

@@ -21,6 +21,19 @@ class OracleError(AssertionError):
 
 
 @dataclass(frozen=True)
+class ThinkingRule:
+    """A thinking budget as the contract states it: `budget` tokens after the think block
+    opened (`opened(output tokens)`: how many leading tokens opened it, None while it has
+    not), unless `ended(output tokens)` (the end marker is complete), the end marker's
+    tokens `close_ids` follow, one by one."""
+
+    budget: int
+    close_ids: tuple[int, ...]
+    ended: Callable[[Sequence[int]], bool]
+    opened: Callable[[Sequence[int]], int | None] = lambda tokens: 0
+
+
+@dataclass(frozen=True)
 class OracleStep:
     """One decided position: the pick, the runner-up, and their score margin."""
 
@@ -45,7 +58,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                      eos_token_ids: Sequence[int], max_tokens: int,
                      matcher: LLMatcher | None = None, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                     logit_bias: Sequence[tuple[int, float]] = ()) -> OracleResult:
+                     logit_bias: Sequence[tuple[int, float]] = (),
+                     thinking: ThinkingRule | None = None) -> OracleResult:
     """Decode like the contract says, one forward per token, checking masks as it goes.
 
     Args:
@@ -57,6 +71,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         matcher: a fresh llguidance matcher for the request's grammar (advanced here).
         temperature, top_k, top_p, seed: the documented decision rule's parameters.
         logit_bias: (token id, value) added to the logits before the grammar mask.
+        thinking: the thinking budget: while thinking, from output position `budget` on,
+            only the end marker's next token is allowed.
     Returns:
         Tokens, finish reason ("stop" / "length") and per-step margins.
     Raises:
@@ -85,6 +101,17 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
             if matcher.is_error():
                 raise OracleError(f"matcher error: {matcher.get_error()}")
             allowed = unpack_mask(bitmask[0], vocab_size)
+            start = thinking.opened(tokens) if thinking is not None else None
+            if start is not None and i - start >= thinking.budget and \
+                    not thinking.ended(tokens):
+                j = i - start - thinking.budget
+                if j < len(thinking.close_ids):
+                    only = thinking.close_ids[j]
+                    if not allowed[only]:
+                        raise OracleError(f"step {i}: the grammar bans the end marker's "
+                                          f"token {only} the budget forces")
+                    allowed = np.zeros_like(allowed)
+                    allowed[only] = True
             _spot_check(matcher, allowed, x, rng, eos)
             x[~allowed] = -np.inf
         noise = None if temperature == 0.0 else gumbel(seed, i, vocab_size)

@@ -1,15 +1,19 @@
 """Chat-template rendering: messages → prompt text, with the no-think switch for constraints.
 
-A grammar masks from the first generated token, so it can never close a reasoning block the
-template opened. Constrained requests therefore render with the template's no-think switch;
-a template that opens a think block with no switch, or a client asking for thinking together
-with a constraint, is refused (`ReasoningConflictError`) instead of producing wrong output.
+A constraint's own grammar masks from the first generated token, so it can never close a
+reasoning block the template opened. Constrained requests therefore render with the
+template's no-think switch; a template that opens a think block with no switch is refused
+(`ReasoningConflictError`) instead of producing wrong output. A request that asks for
+thinking renders with `render_thinking` instead: its grammar holds the think block, then
+the constraint (`reasoning.think_grammar`).
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from .reasoning import Thinking
 
 # Template variables that turn reasoning off in the common families (Qwen3, Granite, ...).
 NO_THINK_KWARGS: dict[str, Any] = {"enable_thinking": False, "thinking": False,
@@ -24,6 +28,67 @@ class ChatTemplateError(ValueError):
 
 class ReasoningConflictError(ChatTemplateError):
     """A constrained request would start inside a reasoning block."""
+
+
+class ThinkingUnsupportedError(ChatTemplateError):
+    """Thinking was asked for, and the chat template has no think block."""
+
+
+def think_markers(template: str) -> tuple[str, str] | None:
+    """The (open, close) think markers a chat template uses, or None."""
+    return next(((o, c) for o, c in zip(THINK_OPEN, THINK_CLOSE)
+                 if c in template or o in template), None)
+
+
+def render_thinking(tokenizer: Any, messages: list[dict[str, Any]], *,
+                    template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                    budget: int | None = None) -> tuple[str, Thinking]:
+    """Render for a request that thinks before its (constrained) answer: the template's
+    thinking switch on; returns the prompt text and the think block the output must hold
+    (opened by the prompt, or by the output's first token).
+
+    Raises:
+        ThinkingUnsupportedError: the template has no think block, or closes it itself.
+        ChatTemplateError: malformed messages or a template that fails to render.
+    """
+    source = template or getattr(tokenizer, "chat_template", None) or ""
+    markers = think_markers(source if isinstance(source, str) else str(source))
+    if markers is None:
+        raise ThinkingUnsupportedError(
+            "thinking was asked for, but this model's chat template has no think block "
+            f"(none of {list(THINK_OPEN)}); drop reasoning_effort / enable_thinking / "
+            "max_thinking_tokens")
+    kwargs = {**(template_kwargs or {}), "enable_thinking": True}
+    text = _render(tokenizer, messages, template, kwargs, True)
+    head = _render(tokenizer, messages, template, kwargs, False)
+    tail = text[len(head):] if text.startswith(head) else text[-200:]
+    opened = _opens_think(tail)
+    if not opened and markers[1] in tail:
+        raise ThinkingUnsupportedError(
+            "this model's chat template closes the think block before the reply even with "
+            "enable_thinking; it cannot think here")
+    return text, Thinking(close=markers[1], open=None if opened else markers[0], budget=budget)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str | None,
+            kwargs: dict[str, Any], gen: bool) -> str:
+    _check_messages(messages)
+    try:
+        return str(tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=gen, chat_template=template,
+            **kwargs))
+    except Exception as e:  # jinja errors surface as many types
+        raise ChatTemplateError(f"chat template failed to render: {e}") from e
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> None:
+    if not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}] needs a string 'role'")
+        if not isinstance(m.get("content", ""), str):
+            raise ChatTemplateError(f"messages[{i}].content must be a string")
 
 
 def _opens_think(generation_prompt: str) -> bool:
@@ -56,34 +121,19 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, constrained: 
         ReasoningConflictError: constrained, and the template opens a think block it has no
             switch for, or the caller asked for thinking.
     """
-    if not messages:
-        raise ChatTemplateError("messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}] needs a string 'role'")
-        if not isinstance(m.get("content", ""), str):
-            raise ChatTemplateError(f"messages[{i}].content must be a string")
+    _check_messages(messages)
     kwargs = dict(template_kwargs or {})
     if constrained:
         asked = [k for k in NO_THINK_KWARGS if kwargs.get(k)]
         if asked:
             raise ReasoningConflictError(
-                f"chat_template_kwargs {asked} asks for reasoning, which a structured-output "
-                "constraint cannot follow (the grammar applies from the first token); drop it "
-                "or the constraint")
+                f"chat_template_kwargs {asked} asks for reasoning: render with "
+                "`render_thinking` so the constraint applies after the think block")
         kwargs.update(NO_THINK_KWARGS)
 
-    def render(gen: bool) -> str:
-        try:
-            return str(tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=gen, chat_template=template,
-                **kwargs))
-        except Exception as e:  # jinja errors surface as many types
-            raise ChatTemplateError(f"chat template failed to render: {e}") from e
-
-    text = render(True)
+    text = _render(tokenizer, messages, template, kwargs, True)
     if constrained:
-        head = render(False)
+        head = _render(tokenizer, messages, template, kwargs, False)
         tail = text[len(head):] if text.startswith(head) else text[-200:]
         if _opens_think(tail):
             source = template or getattr(tokenizer, "chat_template", None) or ""
@@ -91,5 +141,6 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, constrained: 
                    else "has no switch to turn reasoning off (e.g. enable_thinking)")
             raise ReasoningConflictError(
                 "this model's chat template opens a reasoning block for the reply and " + why +
-                "; a structured-output constraint would never let it close")
+                "; a structured-output constraint would never let it close: ask for thinking "
+                "(reasoning_effort, or chat_template_kwargs enable_thinking) to answer after it")
     return text

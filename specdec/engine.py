@@ -16,11 +16,12 @@ from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from .chat import render_chat
+from .chat import render_chat, render_thinking
 from .core import DecodeState, Models, decode_rounds, new_state
 from .decode import FinishReason, PromptKVCache, StepTimings, TokenId
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 from .models import LoadedModel
+from .reasoning import Thinking, ThinkingMatcher, marker_ids
 from .sampling import SamplingParams
 from .speculative import DraftConfigError, SpecConfig, SpecStats
 
@@ -91,6 +92,7 @@ class Request:
         grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
         logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
             alternatives (`core.TokenLogprob`; the scheduler's events carry them).
+        thinking: think before the constrained answer (`reasoning.Thinking`), or None.
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -101,6 +103,7 @@ class Request:
     spec: SpecConfig | None = None
     grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
     logprobs: int | None = None
+    thinking: Thinking | None = None
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -179,6 +182,27 @@ class Engine:
                            template=template, template_kwargs=template_kwargs)
         return self.encode(text)
 
+    def chat_prompt_thinking(self, messages: list[dict[str, Any]], *,
+                             template: str | None = None,
+                             template_kwargs: dict[str, Any] | None = None,
+                             budget: int | None = None) -> tuple[list[TokenId], Thinking]:
+        """Render for a request that thinks before answering (`chat.render_thinking`) and
+        tokenize; returns the ids and the think block to pass to `prepare`."""
+        text, thinking = render_thinking(self.target.tokenizer, messages, template=template,
+                                         template_kwargs=template_kwargs, budget=budget)
+        return self.encode(text), thinking
+
+    def reasoning_tokens(self, tokens: Sequence[TokenId], thinking: Thinking) -> int:
+        """How many of an output's tokens belong to its think block (through the end
+        marker; all of them while it has not ended)."""
+        ids, special = marker_ids(self.compiler.tokenizer, thinking.close)
+        if special:
+            return next((i + 1 for i, t in enumerate(tokens) if t == ids[0]), len(tokens))
+        for i in range(len(tokens)):
+            if thinking.close in self.decode_text(tokens[:i + 1]):
+                return i + 1
+        return len(tokens)
+
     def decode_text(self, tokens: Sequence[TokenId]) -> str:
         return str(self.target.tokenizer.decode(list(tokens), skip_special_tokens=False))
 
@@ -187,8 +211,8 @@ class Engine:
                 sampling: SamplingParams = SamplingParams(),
                 max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
                 spec: SpecConfig | None | Literal["default"] = "default",
-                compile_timeout_s: float | None = None, logprobs: int | None = None
-                ) -> Request:
+                compile_timeout_s: float | None = None, logprobs: int | None = None,
+                thinking: Thinking | None = None) -> Request:
         """Validate a request, compile its constraint and fill in its seed: the one door for
         the CLI, the server and the benchmarks.
 
@@ -198,6 +222,8 @@ class Engine:
                 Without a draft model only grammar-forced tokens are proposed.
             compile_timeout_s: most seconds the compile may take (None: no limit). A compile
                 that runs over finishes in the background and is cached.
+            thinking: a think block before the answer (the constraint; any text without
+                one), all under one grammar; its budget forces the end marker.
         Raises:
             RequestError: empty or over-long prompt, bad max_tokens, bad token ids, empty stop.
             CompileTimeout: the constraint took longer than compile_timeout_s to compile.
@@ -230,16 +256,19 @@ class Engine:
                                f"{self.target.vocab_size})")
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
-        grammar = self.compile(constraint, compile_timeout_s) if constraint is not None else None
+        if thinking is not None and constraint is None:
+            constraint = Constraint.grammar(ANY_TEXT)
+        grammar = (self.compile(constraint, compile_timeout_s, thinking)
+                   if constraint is not None else None)
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
             raise RequestError(f"top_logprobs={logprobs!r}: must be an integer in [0, 20]")
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
-                       tuple(stop), spec, grammar, logprobs)
+                       tuple(stop), spec, grammar, logprobs, thinking)
 
-    def compile(self, constraint: Constraint, timeout_s: float | None = None
-                ) -> CompiledGrammar:
+    def compile(self, constraint: Constraint, timeout_s: float | None = None,
+                thinking: Thinking | None = None) -> CompiledGrammar:
         """Compile (or fetch) a constraint, within `timeout_s` seconds when given.
 
         Raises:
@@ -247,8 +276,8 @@ class Engine:
             GrammarError: the constraint does not compile.
         """
         if timeout_s is None:
-            return self.compiler.compile(constraint)
-        future = self._compile_pool.submit(self.compiler.compile, constraint)
+            return self.compiler.compile(constraint, thinking)
+        future = self._compile_pool.submit(self.compiler.compile, constraint, thinking)
         try:
             return future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError as e:
@@ -259,7 +288,18 @@ class Engine:
         """The request's compiled grammar (from `prepare`, else compiled now)."""
         if req.grammar is not None or req.constraint is None:
             return req.grammar
-        return self.compiler.compile(req.constraint)
+        return self.compiler.compile(req.constraint, req.thinking)
+
+    def matcher(self, req: Request) -> Any:
+        """A fresh matcher for the request (None when unconstrained); with a thinking budget,
+        wrapped so the budget forces the end marker (`reasoning.ThinkingMatcher`)."""
+        grammar = self.compiled(req)
+        if grammar is None:
+            return None
+        if req.thinking is not None and req.thinking.budget is not None:
+            return ThinkingMatcher(grammar.matcher(), self.compiler.tokenizer, req.thinking,
+                                   self.target.vocab_size)
+        return grammar.matcher()
 
     def generate(self, req: Request) -> GenerationResult:
         """Run one request to completion."""
@@ -291,10 +331,9 @@ class Engine:
         may extend what was yielded. Returns (finish reason, full text). Pass a `SpecStats`
         as `timings` to collect speculative counters.
         """
-        grammar = self.compiled(req)
         steps = decode_rounds(self.models, req.prompt_ids, max_tokens=req.max_tokens,
                               eos_token_ids=self.target.eos_token_ids, params=req.sampling,
-                              matcher=grammar.matcher() if grammar else None, spec=req.spec,
+                              matcher=self.matcher(req), spec=req.spec,
                               timings=timings, kv_store=self.kv_store)
         text = self.text_stream(req)
         while True:
@@ -318,14 +357,16 @@ class Engine:
 
     def new_state(self, req: Request, stats: SpecStats | None = None) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
-        grammar = self.compiled(req)
         return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
                          eos_token_ids=self.target.eos_token_ids, params=req.sampling,
-                         spec=req.spec, matcher=grammar.matcher() if grammar else None,
+                         spec=req.spec, matcher=self.matcher(req),
                          stats=stats, logprobs=req.logprobs)
 
     def text_stream(self, req: Request) -> "TextStream":
         return TextStream(self.decode_text, req.stop)
+
+
+ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a constraint
 
 
 class TextStream:

@@ -21,6 +21,8 @@ import llguidance.hf
 import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer
 
+from .reasoning import Thinking, think_grammar
+
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
 
@@ -195,13 +197,15 @@ class GrammarCompiler:
                                            eos_token=list(eos_token_ids))
         return GrammarCompiler(llt)
 
-    def compile(self, c: Constraint) -> CompiledGrammar:
-        """Compile (or fetch from cache) a constraint.
+    def compile(self, c: Constraint, thinking: Thinking | None = None) -> CompiledGrammar:
+        """Compile (or fetch from cache) a constraint, after a think block when `thinking`.
 
         Raises:
             GrammarError: invalid or unsupported constraint, with llguidance's message.
         """
         text = to_grammar(c)
+        if thinking is not None:
+            text = think_grammar(text, thinking, self.tokenizer)
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:

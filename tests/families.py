@@ -71,10 +71,16 @@ TOKENIZERS = {
 }
 
 
-def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700) -> int:
-    """Train a BPE tokenizer of this kind on CORPUS into `out`; returns its vocabulary size."""
-    from tokenizers import (Tokenizer, decoders, models, normalizers, pre_tokenizers,
-                            trainers)
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700, think: bool = False
+                   ) -> int:
+    """Train a BPE tokenizer of this kind on CORPUS into `out`; returns its vocabulary size.
+    `think`: add `<think>` and `</think>` as single tokens, as Qwen 3 and DeepSeek-R1 do
+    (added, not special: they decode as text)."""
+    from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers,
+                            pre_tokenizers, trainers)
 
     if kind.byte_level:
         tok = Tokenizer(models.BPE())
@@ -95,6 +101,8 @@ def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700) -> int:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
+    if think:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     if kind.bos:  # as the families' own tokenizer.json: BOS added to encoded text
         from tokenizers import processors
 
@@ -156,13 +164,19 @@ FAMILIES: dict[str, tuple[str, Any]] = {
 }
 
 
-def make_family(name: str, out: Path, seed: int = 0) -> Path:
-    """Write family `name`'s model directory to `out` (random weights from `seed`)."""
+def make_family(name: str, out: Path, seed: int = 0, think: bool = False,
+                template: str | None = None, scale: float = 8.0) -> Path:
+    """Write family `name`'s model directory to `out` (random weights from `seed`); `think`:
+    its tokenizer has the think tokens; `template`: its chat template instead of the
+    family's; `scale`: the embeddings' and head's factor (smaller: flatter choices)."""
     from mlx_lm.utils import _get_classes
 
     tok_name, config_of = FAMILIES[name]
     kind = TOKENIZERS[tok_name]
-    vocab = make_tokenizer(kind, out)
+    if template is not None:
+        kind = TokenizerKind(kind.byte_level, kind.specials, kind.bos, kind.eos,
+                             kind.end_of_turn, template)
+    vocab = make_tokenizer(kind, out, think=think)
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     config = config_of(vocab)
@@ -176,7 +190,7 @@ def make_family(name: str, out: Path, seed: int = 0) -> Path:
     params = dict(tree_flatten(model.parameters()))
     for k, v in params.items():
         if k.endswith("embed_tokens.weight") or k.endswith("lm_head.weight"):
-            params[k] = v * 8
+            params[k] = v * scale
     mx.eval(params)
     mx.save_safetensors(str(out / "model.safetensors"), params)
     (out / "config.json").write_text(json.dumps(config))

@@ -1,0 +1,158 @@
+"""Think, then answer under the constraint (specdec/reasoning.py).
+
+Exactness: a small random-weight Qwen 3 (flat head, so the thinking text varies) under three
+template families: DeepSeek-R1 style (the prompt opens the think block), Qwen 3 style (the
+output opens it; `enable_thinking` switch), and a vocabulary without the think tokens (the
+markers are text). Each request ends its thinking one of three ways: forced at once (budget
+0), by the budget mid-thought, or naturally (a logit bias on the end marker, no budget).
+Plain decoding equals the oracle (which applies the budget rule itself), every speculative
+cell (draft masking on and off, lookup on, forced drafting on and off) equals plain, greedy
+and seeded, on the reference BLAS, and every finished answer validates against its schema.
+
+Server: the `openai` client's `parse()` on a thinking request returns the parsed object and a
+non-empty `reasoning_content`; streaming sends the same split as deltas; usage counts the
+reasoning tokens; the same request without thinking is unchanged; unsupported combinations
+are a 400 naming what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from oracle import ThinkingRule, reference_decode
+from specdec import blas
+from specdec.engine import Engine
+from specdec.grammar import Constraint
+from specdec.models import load
+from specdec.reasoning import ReasoningDeltas, Thinking, split_reasoning
+from tests import tally
+from tests.exactness import MODES, Cell
+from tests.families import make_family
+from specdec.speculative import SpecConfig
+
+TEMPLATES = Path(__file__).parent / "templates"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "Extract the fields as JSON: Ada, 36."}]
+MAX_TOKENS = 60
+CELLS = [
+    Cell("self", SpecConfig(4, lookup=True)),
+    Cell("self", SpecConfig(3, draft_masking=False)),
+    Cell("self", SpecConfig(4, forced_drafting=False, lookup=True)),
+    Cell("none", SpecConfig(8, lookup=True)),
+]
+# template family -> (template file, whether the vocabulary has the think tokens)
+FAMILIES = {"r1": ("r1_style.jinja", True), "qwen3": ("qwen3.jinja", True),
+            "text-markers": ("r1_style.jinja", False)}
+# how thinking ends -> (budget, logit bias on the end marker token)
+ENDS = {"at-once": (0, 0.0), "budget": (7, 0.0), "natural": (None, 4.0)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reasoning")
+    out = {}
+    for name, (template, think) in FAMILIES.items():
+        d = make_family("qwen3", root / name, think=think, scale=1.0,
+                        template=(TEMPLATES / template).read_text())
+        target = load(str(d))
+        engines = {"self": Engine(target, target), "none": Engine(target, None)}
+        engines["self"].compiler = engines["none"].compiler
+        engines["self"].kv_store = engines["none"].kv_store
+        out[name] = (target, engines)
+    return out
+
+
+def test_think_markers_and_split():
+    t = Thinking(close="</think>", open="<think>")
+    assert split_reasoning("<think>\nhm</think>\n\n{}", t) == ("\nhm", "{}")
+    assert split_reasoning("<think>\nhm</thi", t) == ("\nhm</thi", None)
+    assert split_reasoning("<think>hm</think>\n", t) == ("hm", "")
+    # Streamed in any pieces, the deltas join to the split of the whole.
+    rng = random.Random(0)
+    for text in ["<think>\nabc</think>\n\n{\"a\": 1}", "<think>x</think>\n\n", "<think>\nab</",
+                 "<think></think>\n\n</think>"]:
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, 5)))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            d = ReasoningDeltas(t)
+            got = [d.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+            r, a = split_reasoning(text, t)
+            assert "".join(x for x, _ in got) == r
+            assert "".join(y for _, y in got) == (a or "")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(models, family):
+    assert blas.active() == "reference"
+    target, engines = models[family]
+    e = engines["none"]
+    tok = target.tokenizer
+    close_ids = tuple(e.compiler.tokenizer.tokenize_str("</think>"))
+    assert (len(close_ids) == 1) == FAMILIES[family][1]
+    constraint = Constraint.json_schema(SCHEMA)
+    bad: list[str] = []
+    seen_ends: set[str] = set()
+    for end, (budget, bias) in ENDS.items():
+        if end == "natural" and len(close_ids) > 1:
+            continue  # a text marker is not one token to bias towards
+        ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
+        assert (thinking.open is None) == (family != "qwen3")
+        for mode, base in MODES.items():
+            params = dataclasses.replace(
+                base, logit_bias=((close_ids[0], bias),) if bias else ())
+            want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
+                                        max_tokens=MAX_TOKENS, spec=None, thinking=thinking))
+            g = e.compiled(e.prepare(ids, constraint=constraint, thinking=thinking))
+            rule = None if budget is None else ThinkingRule(
+                budget, close_ids, lambda toks: "</think>" in tok.decode(list(toks)),
+                (lambda toks: 0) if thinking.open is None else (lambda toks: next(
+                    (i + 1 for i in range(len(toks)) if "<think>" in tok.decode(
+                        list(toks[:i + 1]))), None)))
+            ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
+                                   eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
+                                   matcher=g.matcher(), temperature=params.temperature,
+                                   top_k=params.top_k, top_p=params.top_p,
+                                   seed=params.seed or 0, logit_bias=params.logit_bias,
+                                   thinking=rule)
+            same = list(want.tokens) == list(ref.tokens)
+            tally.record("reasoning: plain vs oracle", same)
+            if not same:
+                bad.append(f"{end} {mode}: plain {want.tokens} != oracle {ref.tokens}")
+            # How thinking ended is what the cell says it is.
+            reasoning, answer = split_reasoning(want.text, thinking)
+            assert answer is not None, (end, mode, want.text)
+            n_think = e.reasoning_tokens(want.tokens, thinking)
+            if end == "at-once":
+                assert reasoning == ("" if thinking.open is None else "")
+            elif end == "budget":
+                opener = 0 if thinking.open is None else len(
+                    e.compiler.tokenizer.tokenize_str(thinking.open))
+                assert n_think == opener + budget + len(close_ids), (n_think, want.text)
+            else:
+                assert 1 < n_think, want.text  # chose to stop thinking, after thinking
+            seen_ends.add(end)
+            if want.finish_reason == "stop":
+                jsonschema.validate(json.loads(answer), SCHEMA)
+            for cell in CELLS:
+                eng = engines[cell.draft]
+                got = eng.generate(eng.prepare(ids, constraint=constraint, sampling=params,
+                                               max_tokens=MAX_TOKENS, spec=cell.spec,
+                                               thinking=thinking))
+                same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+                tally.record(f"reasoning: spec cells vs plain ({family})", same)
+                if not same:
+                    bad.append(f"{end} {mode} {cell.name}: {got.tokens} != {want.tokens}")
+                if cell.draft == "self":
+                    assert got.stats.counters.proposed > 0
+    assert not bad, "\n".join(bad)
+    assert seen_ends == ({"at-once", "budget", "natural"} if len(close_ids) == 1
+                         else {"at-once", "budget"})
