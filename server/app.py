@@ -23,11 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.chat import ChatTemplateError, ReasoningConflictError
+from specdec.chat import ChatTemplateError, ReasoningConflictError, ThinkingUnsupportedError
 from specdec.decode import GrammarStateError
 from specdec.engine import (DEFAULT_MAX_TOKENS, CompileTimeout, Engine,
                             Request as EngineRequest, RequestError)
 from specdec.grammar import GrammarError
+from specdec.reasoning import ReasoningDeltas, Thinking, split_reasoning
 from specdec.speculative import DraftConfigError
 
 from .errors import APIError, bad_request
@@ -44,6 +45,9 @@ MAX_JSON_DEPTH = 128  # nesting levels of a request body
 COMPILE_TIMEOUT_S = 10.0
 MAX_BATCH = 8    # requests decoded together: a forward over 8 rows costs ~1.3x one row here
 MAX_QUEUE = 64   # requests waiting for a slot before new ones get 503 + Retry-After
+# A thinking request's budget when it gives none: half its max_tokens (room for the answer),
+# at most this.
+MAX_THINKING_TOKENS = 1024
 RETRY_AFTER_S = 1
 REQUEST_TIMEOUT_S = 600.0  # a request's time limit from arrival, waiting included
 
@@ -52,7 +56,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                chat_template: str | None = None,
                compile_timeout_s: float = COMPILE_TIMEOUT_S,
                max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
-               request_timeout_s: float | None = REQUEST_TIMEOUT_S) -> FastAPI:
+               request_timeout_s: float | None = REQUEST_TIMEOUT_S,
+               max_thinking_tokens: int = MAX_THINKING_TOKENS) -> FastAPI:
     """The ASGI app serving `engine`: one scheduler thread decoding up to `max_batch`
     requests together, `max_queue` more waiting (then 503); compiles in a small pool."""
     app = FastAPI(title="specdec")
@@ -118,10 +123,14 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         the event loop: a slow schema is a 400 while other requests keep decoding (its
         compile finishes in the background and is cached)."""
         def validate() -> EngineRequest:
-            ids = to_ids()
+            got = to_ids()
+            ids, thinking = got if isinstance(got, tuple) else (got, None)
             max_tokens = common.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(DEFAULT_MAX_TOKENS, engine.context_length - len(ids)))
+            if thinking is not None and thinking.budget is None:
+                thinking = dataclasses.replace(
+                    thinking, budget=min(max_thinking_tokens, max_tokens // 2))
             spec = common.spec
             if isinstance(spec, dict):
                 spec = dataclasses.replace(engine.default_spec, **spec)
@@ -129,7 +138,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                                   max_tokens=max_tokens, stop=common.stop,
                                   spec=spec,  # type: ignore[arg-type]
                                   compile_timeout_s=compile_timeout_s,
-                                  logprobs=common.logprobs)
+                                  logprobs=common.logprobs, thinking=thinking)
 
         loop = asyncio.get_running_loop()
         try:
@@ -141,6 +150,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             raise bad_request(str(e), "response_format", "invalid_grammar") from e
         except ReasoningConflictError as e:
             raise bad_request(str(e), "messages", "reasoning_conflict") from e
+        except ThinkingUnsupportedError as e:
+            raise bad_request(str(e), "reasoning_effort", "thinking_unsupported") from e
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from e
         except DraftConfigError as e:
@@ -165,10 +176,11 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         headers = {"Warning": _warning_header(warnings)} if warnings else {}
         if common.stream:
             return StreamingResponse(_sse(job, common, rid, model_name, kind, metrics, warnings,
-                                          engine.target.tokenizer),
+                                          engine.target.tokenizer, engine),
                                      media_type="text/event-stream", headers=headers)
         return await _complete(job, rid, model_name, kind, request, metrics, warnings, headers,
-                               tools=bool(common.tools), tokenizer=engine.target.tokenizer)
+                               tools=bool(common.tools), tokenizer=engine.target.tokenizer,
+                               engine=engine)
 
     @app.get("/health", response_model=Health)
     async def health() -> dict[str, Any]:
@@ -192,6 +204,10 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         kwargs = body.template_kwargs
         if body.common.tools:  # the template shows the model its tools, where it can
             kwargs = {**kwargs, "tools": list(body.common.tools)}
+        if body.thinking:
+            return await run(request, body.common, lambda: engine.chat_prompt_thinking(
+                body.messages, template=chat_template, template_kwargs=kwargs,
+                budget=body.max_thinking_tokens), "chat")
         return await run(request, body.common, lambda: engine.chat_prompt(
             body.messages, constrained=body.common.constraint is not None,
             template=chat_template, template_kwargs=kwargs), "chat")
@@ -268,10 +284,14 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-def _usage(job: Job, completion_tokens: int) -> dict[str, Any]:
+def _usage(job: Job, completion_tokens: int, reasoning_tokens: int | None = None
+           ) -> dict[str, Any]:
     p = len(job.request.prompt_ids)
-    return {"prompt_tokens": p, "completion_tokens": completion_tokens,
-            "total_tokens": p + completion_tokens}
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": completion_tokens,
+                             "total_tokens": p + completion_tokens}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
@@ -332,21 +352,29 @@ def _tool_call(text: str, finish: str | None) -> dict[str, Any] | None:
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def _choice(kind: str, text: str, finish: str | None, tools: bool = False) -> dict[str, Any]:
-    call = _tool_call(text, finish) if tools else None
+def _choice(kind: str, text: str, finish: str | None, tools: bool = False,
+            thinking: Thinking | None = None) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if thinking is not None:  # the think block apart; None: the answer never began
+        reasoning, answer = split_reasoning(text, thinking)
+        extra, text = {"reasoning_content": reasoning}, answer  # type: ignore[assignment]
+    call = _tool_call(text, finish) if tools and text is not None else None
     if call is not None:
         return {"index": 0, "finish_reason": "tool_calls", "logprobs": None,
-                "message": {"role": "assistant", "content": None, "tool_calls": [call]}}
+                "message": {"role": "assistant", "content": None, "tool_calls": [call],
+                            **extra}}
     if kind == "chat":
         return {"index": 0, "finish_reason": finish, "logprobs": None,
-                "message": {"role": "assistant", "content": text}}
+                "message": {"role": "assistant", "content": text, **extra}}
     return {"index": 0, "finish_reason": finish, "logprobs": None, "text": text}
 
 
 async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
                     metrics: Metrics, warnings: tuple[str, ...], headers: dict[str, str],
-                    tools: bool = False, tokenizer: Any = None) -> JSONResponse:
+                    tools: bool = False, tokenizer: Any = None, engine: Any = None
+                    ) -> JSONResponse:
     n = 0
+    ids: list[int] = []
     lps: list[Any] = []
     checked = time.monotonic()
     try:
@@ -366,6 +394,7 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
                 continue
             if event[0] == "token":
                 n += 1
+                ids.append(event[1])
                 lps.extend(event[3])
             elif event[0] == "error":
                 raise _error_of(event[1])
@@ -375,31 +404,40 @@ async def _complete(job: Job, rid: str, model: str, kind: str, http: Request,
     finally:
         job.cancelled.set()  # a no-op when done; stops the engine when the client left
     metrics.observe(len(job.request.prompt_ids), n, stats, seconds)
-    choice = _choice(kind, text, finish, tools)
+    thinking = job.request.thinking
+    choice = _choice(kind, text, finish, tools, thinking)
+    reasoning = engine.reasoning_tokens(ids, thinking) if thinking is not None else None
     if job.request.logprobs is not None:
         choice["logprobs"] = _logprobs_of(kind, lps, tokenizer)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()), "model": model,
-        "choices": [choice], "usage": _usage(job, n),
+        "choices": [choice], "usage": _usage(job, n, reasoning),
         "specdec": _extension(job, stats, seconds, warnings)}, headers=headers)
 
 
 async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metrics: Metrics,
-               warnings: tuple[str, ...], tokenizer: Any = None) -> AsyncIterator[str]:
+               warnings: tuple[str, ...], tokenizer: Any = None, engine: Any = None
+               ) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     pending: list[Any] = []  # logprobs of tokens not yet sent with a chunk
 
-    def chunk(content: str | None, finish: str | None, first: bool = False) -> str:
+    thinking = job.request.thinking
+    split = ReasoningDeltas(thinking) if thinking is not None else None
+
+    def chunk(content: str | None, finish: str | None, first: bool = False,
+              reasoning: str | None = None) -> str:
         lp = None
-        if common.logprobs is not None and (pending or content):
+        if common.logprobs is not None and (pending or content or reasoning):
             lp = _logprobs_of(kind, pending, tokenizer)
             pending.clear()
         if kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
                 {} if content is None else {"content": content})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
                                       "logprobs": lp}
         else:
@@ -410,36 +448,53 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
         return f"data: {json.dumps(body)}\n\n"
 
     n, sent = 0, ""
+    ids: list[int] = []
+
+    def deltas(text: str, final: bool = False) -> list[str]:
+        """The chunks for a text delta: split into reasoning and answer when thinking."""
+        if split is None:
+            return [chunk(text, None)] if text else []
+        r, a = split.feed(text, final)
+        return [chunk(a or None, None, reasoning=r)] if r or a else []
+
     try:
+
         if kind == "chat":
             yield chunk(None, None, first=True)
         while True:
             event = await job.events.get()
             if event[0] == "token":
                 n += 1
+                ids.append(event[1])
                 pending.extend(event[3])
                 if event[2] and not common.tools:  # a tool call is sent whole, at the end
                     sent += event[2]
-                    yield chunk(event[2], None)
+                    for c in deltas(event[2]):
+                        yield c
             elif event[0] == "error":
                 yield f"data: {json.dumps(_error_of(event[1]).body())}\n\n"
                 break
             else:
                 _, finish, text, stats, seconds = event
-                call = _tool_call(text, finish) if common.tools else None
+                answer = text if thinking is None else split_reasoning(text, thinking)[1]
+                call = (_tool_call(answer, finish) if common.tools and answer is not None
+                        else None)
                 if call is not None:
                     body = {"id": rid, "object": obj, "created": created, "model": model,
                             "choices": [{"index": 0, "finish_reason": None, "logprobs": None,
                                          "delta": {"tool_calls": [{"index": 0, **call}]}}]}
                     yield f"data: {json.dumps(body)}\n\n"
                     finish = "tool_calls"
-                elif len(text) > len(sent):  # tail held back (stop strings, partial UTF-8)
-                    yield chunk(text[len(sent):], None)
+                elif len(text) > len(sent) or split is not None:  # tail held back (stop
+                    for c in deltas(text[len(sent):], final=True):  # strings, partial UTF-8,
+                        yield c  # a possible marker)
                 yield chunk(None, finish)
                 metrics.observe(len(job.request.prompt_ids), n, stats, seconds)
                 if common.include_usage:
                     body = {"id": rid, "object": obj, "created": created, "model": model,
-                            "choices": [], "usage": _usage(job, n),
+                            "choices": [], "usage": _usage(
+                                job, n, engine.reasoning_tokens(ids, thinking)
+                                if thinking is not None else None),
                             "specdec": _extension(job, stats, seconds, warnings)}
                     yield f"data: {json.dumps(body)}\n\n"
                 break
@@ -451,8 +506,8 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: str | None = None,
           compile_timeout_s: float = COMPILE_TIMEOUT_S, max_batch: int = MAX_BATCH,
-          max_queue: int = MAX_QUEUE, request_timeout_s: float | None = REQUEST_TIMEOUT_S
-          ) -> None:
+          max_queue: int = MAX_QUEUE, request_timeout_s: float | None = REQUEST_TIMEOUT_S,
+          max_thinking_tokens: int = MAX_THINKING_TOKENS) -> None:
     """Serve an engine until interrupted."""
     import uvicorn
 
@@ -461,7 +516,8 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(engine, api_key=api_key, chat_template=chat_template,
                      compile_timeout_s=compile_timeout_s, max_batch=max_batch,
-                     max_queue=max_queue, request_timeout_s=request_timeout_s)
+                     max_queue=max_queue, request_timeout_s=request_timeout_s,
+                     max_thinking_tokens=max_thinking_tokens)
     draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward else "")
              if engine.draft is None else
              "self" if engine.draft is engine.target else engine.draft.name)

@@ -128,6 +128,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="any but 'none' thinks before the answer (a template with a think "
+                          "block; else 400); the answer follows the constraint")
+    max_thinking_tokens: int | None = Field(
+        None, ge=0, description="thinking budget (implies thinking); then the end of "
+                                "thinking is forced. Default: half max_tokens, at most the "
+                                "server's --max-thinking-tokens")
 
 
 class CompletionRequest(_Sampling):
@@ -151,10 +158,15 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):
@@ -186,6 +198,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = Field(None, description="the think block, when thinking")
 
 
 FinishReason = Literal["stop", "length", "tool_calls"] | None

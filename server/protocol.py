@@ -26,6 +26,8 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
 ROLES = ("system", "developer", "user", "assistant")
+# OpenAI's reasoning_effort values: "none" turns thinking off, every other one on.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar",
@@ -53,6 +55,8 @@ class ChatRequest:
     common: Common
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any]
+    thinking: bool = False  # think before the answer (reasoning_effort / enable_thinking / ...)
+    max_thinking_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -322,7 +326,24 @@ def parse_chat(body: Any) -> ChatRequest:
     common = parse_common(body, allow_response_format=True)
     messages = normalize_messages(body.get("messages"))
     kwargs = _typed(body, "chat_template_kwargs", (dict,), {})
-    return ChatRequest(common, messages, kwargs)
+    effort = _typed(body, "reasoning_effort", (str,), None)
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(f"reasoning_effort {effort!r}: expected one of "
+                          f"{list(REASONING_EFFORTS)}", "reasoning_effort")
+    budget = _typed(body, "max_thinking_tokens", (int,), None)
+    if budget is not None and budget < 0:
+        raise bad_request(f"max_thinking_tokens={budget}: must be >= 0", "max_thinking_tokens")
+    asked = [k for k in ("enable_thinking", "thinking", "reasoning") if kwargs.get(k)]
+    off = effort == "none" or any(kwargs.get(k) is False for k in
+                                  ("enable_thinking", "thinking", "reasoning"))
+    thinking = bool(asked) or effort not in (None, "none") or budget is not None
+    if thinking and off:
+        raise bad_request("the request both asks for thinking and turns it off "
+                          "(reasoning_effort 'none' or a false chat_template_kwargs switch)",
+                          "reasoning_effort" if effort is not None else "chat_template_kwargs")
+    if thinking:
+        kwargs = {k: v for k, v in kwargs.items() if k not in asked}
+    return ChatRequest(common, messages, kwargs, thinking, budget)
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take from arrival (waiting included) before "
                         "it is stopped with a 504; 0 for no limit")
+    s.add_argument("--max-thinking-tokens", type=int, default=1024,
+                   help="most tokens a thinking request thinks before its answer when it "
+                        "gives no max_thinking_tokens (and at most half its max_tokens)")
     _add_spec_args(s)
     return ap
 
@@ -242,7 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(build_engine(args.model, args), host=args.host, port=args.port,
           api_key=args.api_key, chat_template=template,
           compile_timeout_s=args.compile_timeout, max_batch=args.max_batch,
-          max_queue=args.max_queue, request_timeout_s=args.request_timeout or None)
+          max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
+          max_thinking_tokens=args.max_thinking_tokens)
     return 0
 
 

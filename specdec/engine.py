@@ -198,10 +198,14 @@ class Engine:
         ids, special = marker_ids(self.compiler.tokenizer, thinking.close)
         if special:
             return next((i + 1 for i, t in enumerate(tokens) if t == ids[0]), len(tokens))
-        for i in range(len(tokens)):
-            if thinking.close in self.decode_text(tokens[:i + 1]):
-                return i + 1
-        return len(tokens)
+        lo, hi = 0, len(tokens)  # the shortest prefix holding the marker (once held, kept)
+        if thinking.close not in self.decode_text(tokens):
+            return hi
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if thinking.close in self.decode_text(tokens[:mid]) else \
+                (mid + 1, hi)
+        return lo
 
     def decode_text(self, tokens: Sequence[TokenId]) -> str:
         return str(self.target.tokenizer.decode(list(tokens), skip_special_tokens=False))

@@ -156,3 +156,102 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     assert not bad, "\n".join(bad)
     assert seen_ends == ({"at-once", "budget", "natural"} if len(close_ids) == 1
                          else {"at-once", "budget"})
+
+
+def test_a_template_without_a_think_block_cannot_think(models, tmp_path):
+    from specdec.chat import ThinkingUnsupportedError
+
+    d = make_family("qwen3", tmp_path / "plain-chatml", scale=1.0)
+    e = Engine(load(str(d)), None)
+    with pytest.raises(ThinkingUnsupportedError, match="no think block"):
+        e.chat_prompt_thinking(MESSAGES)
+    e.chat_prompt(MESSAGES, constrained=True)  # not asking: unchanged
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.serverproc import Server
+
+    d = make_family("qwen3", tmp_path_factory.mktemp("think-server") / "m", think=True,
+                    scale=1.0)
+    s = Server("--model", str(d), "--chat-template", str(TEMPLATES / "qwen3_style.jinja"),
+               "--max-thinking-tokens", "12")
+    yield s
+    s.stop()
+
+
+def test_parse_returns_the_object_and_the_reasoning(server):
+    from openai.lib._parsing._completions import type_to_response_format_param
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=120)
+
+    client = server.client()
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    got = {}
+    for arm, extra in (("spec", think), ("plain", {**think, "num_draft_tokens": 0})):
+        r = client.chat.completions.parse(model="default", messages=MESSAGES, max_tokens=60,
+                                          temperature=0, response_format=Person,
+                                          extra_body=extra)
+        msg = r.choices[0].message
+        assert isinstance(msg.parsed, Person), msg
+        reasoning = msg.model_extra["reasoning_content"]
+        assert reasoning and "</think>" not in reasoning and "</think>" not in msg.content
+        # The server's budget (12) ended the thought: 12 tokens and the end marker.
+        assert r.usage.completion_tokens_details.reasoning_tokens == 13
+        got[arm] = (reasoning, msg.content)
+        if arm == "spec":
+            assert r.model_extra["specdec"]["proposed"] > 0
+    assert got["spec"] == got["plain"]
+    # Streaming (the response_format parse() sends): reasoning deltas, then content deltas;
+    # they join to the same split.
+    parts = {"reasoning": "", "content": ""}
+    with client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=60,
+                                        temperature=0, stream=True, extra_body=think,
+                                        response_format=type_to_response_format_param(Person),
+                                        stream_options={"include_usage": True}) as stream:
+        for chunk in stream:
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens_details.reasoning_tokens == 13
+            for ch in chunk.choices:
+                parts["reasoning"] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+                parts["content"] += ch.delta.content or ""
+    assert (parts["reasoning"], parts["content"]) == got["plain"]
+    # A budget of the request's own, via reasoning_effort too.
+    r = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=60, temperature=0,
+        response_format=type_to_response_format_param(Person),
+        extra_body={"reasoning_effort": "low", "max_thinking_tokens": 3})
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4
+    assert r.choices[0].finish_reason == "stop"
+    Person.model_validate_json(r.choices[0].message.content)
+
+
+def test_without_thinking_the_request_is_unchanged(server):
+    import httpx
+
+    body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_object"}}
+    plain = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    off = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        **body, "chat_template_kwargs": {"enable_thinking": False}}).json()
+    msg = plain["choices"][0]["message"]
+    assert "reasoning_content" not in msg and "completion_tokens_details" not in plain["usage"]
+    assert msg["content"] == off["choices"][0]["message"]["content"]
+    assert "<think>" not in msg["content"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"reasoning_effort": "maximal"}, "reasoning_effort"),
+    ({"max_thinking_tokens": -1}, "max_thinking_tokens"),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+     "reasoning_effort"),
+])
+def test_bad_thinking_requests_are_a_400_naming_the_field(server, extra, param):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": MESSAGES, "max_tokens": 5, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
