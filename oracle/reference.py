@@ -22,10 +22,11 @@ class OracleError(AssertionError):
 
 @dataclass(frozen=True)
 class ThinkingRule:
-    """A thinking budget as the contract states it: `budget` tokens after the think block
-    opened (`opened(output tokens)`: how many leading tokens opened it, None while it has
-    not), unless `ended(output tokens)` (the end marker is complete), the end marker's
-    tokens `close_ids` follow, one by one."""
+    """A thinking budget as the contract states it: from `budget` tokens after the think
+    block opened (`opened(output tokens)`: how many leading tokens opened it, None while it
+    has not), unless `ended(output tokens)` (the end marker is complete), the end marker's
+    tokens `close_ids` are the only ones allowed, one by one, starting at the first such
+    position where the grammar allows the first of them."""
 
     budget: int
     close_ids: tuple[int, ...]
@@ -92,6 +93,7 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
     for t, v in logit_bias:
         if t < vocab_size:
             bias[t] += np.float32(v)
+    forced = 0  # end-marker tokens the thinking budget has forced
     for i in range(max_tokens):
         x = logits.copy()
         if len(logit_bias):
@@ -103,15 +105,16 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
             allowed = unpack_mask(bitmask[0], vocab_size)
             start = thinking.opened(tokens) if thinking is not None else None
             if start is not None and i - start >= thinking.budget and \
-                    not thinking.ended(tokens):
-                j = i - start - thinking.budget
-                if j < len(thinking.close_ids):
-                    only = thinking.close_ids[j]
-                    if not allowed[only]:
-                        raise OracleError(f"step {i}: the grammar bans the end marker's "
-                                          f"token {only} the budget forces")
+                    not thinking.ended(tokens) and forced < len(thinking.close_ids):
+                only = thinking.close_ids[forced]
+                if allowed[only]:
                     allowed = np.zeros_like(allowed)
                     allowed[only] = True
+                    forced += 1
+                elif forced:
+                    raise OracleError(f"step {i}: the grammar bans the end marker's "
+                                      f"token {only} the budget forces")
+                # else: not here (mid-character, say); the marker starts where allowed
             _spot_check(matcher, allowed, x, rng, eos)
             x[~allowed] = -np.inf
         noise = None if temperature == 0.0 else gumbel(seed, i, vocab_size)

@@ -21,7 +21,7 @@ from .core import DecodeState, Models, decode_rounds, new_state
 from .decode import FinishReason, PromptKVCache, StepTimings, TokenId
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 from .models import LoadedModel
-from .reasoning import Thinking, ThinkingMatcher, marker_ids
+from .reasoning import SEPARATOR, Thinking, ThinkingMatcher, marker_ids
 from .sampling import SamplingParams
 from .speculative import DraftConfigError, SpecConfig, SpecStats
 
@@ -367,7 +367,8 @@ class Engine:
                          stats=stats, logprobs=req.logprobs)
 
     def text_stream(self, req: Request) -> "TextStream":
-        return TextStream(self.decode_text, req.stop)
+        return TextStream(self.decode_text, req.stop,
+                          req.thinking.close + SEPARATOR if req.thinking else None)
 
 
 ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a constraint
@@ -375,6 +376,9 @@ ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a cons
 
 class TextStream:
     """Token ids → text deltas for one request, applying its stop strings.
+
+    With `answer_after` (a thinking request: its end marker and separator), stop strings
+    apply to the answer only, never to the thinking before it.
 
     Incremental: each token decodes a short window (the tokens since the last stable point
     plus the few before it, as their context), so a long output costs O(n), not O(n²). Text
@@ -384,8 +388,10 @@ class TextStream:
     text plus the flushed remainder, so a client that joins the deltas gets exactly it.
     """
 
-    def __init__(self, decode: Any, stop: Sequence[str]) -> None:
+    def __init__(self, decode: Any, stop: Sequence[str], answer_after: str | None = None
+                 ) -> None:
         self._decode, self._stop = decode, tuple(stop)
+        self._after = answer_after  # stop strings apply only after it (a think block's end)
         self._hold = max((len(x) for x in stop), default=0)
         self.tokens: list[TokenId] = []
         self._text = ""  # stable text
@@ -404,6 +410,11 @@ class TextStream:
         if not self._stop:
             return False
         start = max(0, since - self._hold + 1)
+        if self._after is not None:
+            at = self._text.find(self._after)
+            if at < 0:
+                return False
+            start = max(start, at + len(self._after))
         hits = [i for i in (self._text.find(x, start) for x in self._stop) if i >= 0]
         if hits:
             self._cut = self._text[:min(hits)]

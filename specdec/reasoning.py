@@ -111,37 +111,52 @@ class ThinkingMatcher:
         self.n = 0  # output tokens consumed
         self.start: int | None = None if thinking.open else 0  # where the thinking text begins
         self.thinking = True
+        self.forced = 0  # end-marker tokens the budget has forced so far
         self.tail = b""  # the output's bytes since the last marker (a bounded window)
         self._error: str | None = None
 
     # -- state ------------------------------------------------------------------------
-    def _forced(self) -> int | None:
+    def _due(self) -> int | None:
+        """The end marker's token the budget forces next (the first one only where the
+        grammar allows it), or None."""
         if (not self.thinking or self.budget is None or self.start is None
-                or self.n - self.start < self.budget):
+                or self.n - self.start < self.budget or self.forced >= len(self.close_ids)):
             return None
-        j = self.n - self.start - self.budget
-        return self.close_ids[j] if j < len(self.close_ids) else None
+        return self.close_ids[self.forced]
 
     def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
         self.inner.unsafe_compute_mask_ptr(ptr, size)
-        forced = self._forced()
-        if forced is None:
+        due = self._due()
+        if due is None:
             return
         row = np.ctypeslib.as_array((ctypes.c_int32 * (size // 4)).from_address(ptr))
-        ok = bool((int(row[forced >> 5]) >> (forced & 31)) & 1)
+        ok = bool((int(row[due >> 5]) >> (due & 31)) & 1)
+        if not ok and self.forced == 0:
+            return  # mid-character, say: the marker starts where the grammar allows it
         row[:] = 0
         if ok:
-            row[forced >> 5] = np.int32(np.uint32(1 << (forced & 31)).view(np.int32))
-        else:
+            row[due >> 5] = np.int32(np.uint32(1 << (due & 31)).view(np.int32))
+        elif not self.inner.is_error():
             self._error = (f"thinking budget: the grammar does not allow the end marker's "
-                           f"token {forced} at output position {self.n}")
+                           f"token {due} at output position {self.n}")
+
+    def _forces(self) -> int | None:
+        """The token the budget forces at this position (None: the grammar decides)."""
+        due = self._due()
+        if due is None or self.forced > 0:
+            return due
+        row = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # as the mask says
+        self.inner.deep_copy().unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return due if (int(row[due >> 5]) >> (due & 31)) & 1 else None
 
     def consume_token(self, token: int) -> bool:
-        forced = self._forced()
+        forced = self._forces()
         if forced is not None and token != forced:
             self._error = (f"thinking budget: token {token} at output position {self.n} where "
                            f"only {forced} (the end marker) is allowed")
             return False
+        if forced is not None:
+            self.forced += 1
         ok = bool(self.inner.consume_token(token))
         self.n += 1
         if not self.thinking:
@@ -181,7 +196,10 @@ def split_reasoning(text: str, thinking: Thinking) -> tuple[str, str | None]:
     if thinking.open and text.startswith(thinking.open):
         text = text[len(thinking.open):]
     at = text.find(thinking.close)
-    if at < 0:
+    if at < 0:  # still thinking (or cut): a partial end marker is not reasoning
+        for k in range(min(len(thinking.close) - 1, len(text)), 0, -1):
+            if text.endswith(thinking.close[:k]):
+                return text[:-k], None
         return text, None
     rest = text[at + len(thinking.close):]
     if rest.startswith(SEPARATOR):

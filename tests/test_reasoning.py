@@ -30,7 +30,7 @@ from specdec import blas
 from specdec.engine import Engine
 from specdec.grammar import Constraint
 from specdec.models import load
-from specdec.reasoning import ReasoningDeltas, Thinking, split_reasoning
+from specdec.reasoning import ReasoningDeltas, Thinking, marker_ids, split_reasoning
 from tests import tally
 from tests.exactness import MODES, Cell
 from tests.families import make_family
@@ -52,8 +52,10 @@ CELLS = [
 # template family -> (template file, whether the vocabulary has the think tokens)
 FAMILIES = {"r1": ("r1_style.jinja", True), "qwen3": ("qwen3.jinja", True),
             "text-markers": ("r1_style.jinja", False)}
-# how thinking ends -> (budget, logit bias on the end marker token)
-ENDS = {"at-once": (0, 0.0), "budget": (7, 0.0), "natural": (None, 4.0)}
+# how thinking ends -> (budget, logit bias on the end marker token; None: the first of
+# NATURAL_BIASES with which the model ends its thought itself, after thinking a while)
+ENDS = {"at-once": (0, 0.0), "budget": (7, 0.0), "natural": (40, None)}
+NATURAL_BIASES = tuple(b / 2 for b in (0, -1, 1, -2, 2, -3, 3, -4, 4, -5, 5, -6, 6, 8, 10))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,8 @@ def models(tmp_path_factory):
 def test_think_markers_and_split():
     t = Thinking(close="</think>", open="<think>")
     assert split_reasoning("<think>\nhm</think>\n\n{}", t) == ("\nhm", "{}")
-    assert split_reasoning("<think>\nhm</thi", t) == ("\nhm</thi", None)
+    assert split_reasoning("<think>\nhm</thi", t) == ("\nhm", None)  # cut inside the marker
+    assert split_reasoning("<think>\nh<", t) == ("\nh", None)
     assert split_reasoning("<think>hm</think>\n", t) == ("hm", "")
     # Streamed in any pieces, the deltas join to the split of the whole.
     rng = random.Random(0)
@@ -96,21 +99,40 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     target, engines = models[family]
     e = engines["none"]
     tok = target.tokenizer
-    close_ids = tuple(e.compiler.tokenizer.tokenize_str("</think>"))
-    assert (len(close_ids) == 1) == FAMILIES[family][1]
+    close_ids, special = marker_ids(e.compiler.tokenizer, "</think>")
+    assert special == FAMILIES[family][1] == (len(close_ids) == 1)  # which grammar form runs
     constraint = Constraint.json_schema(SCHEMA)
     bad: list[str] = []
     seen_ends: set[str] = set()
+    thought_first = 0  # natural ends after some thinking
     for end, (budget, bias) in ENDS.items():
         if end == "natural" and len(close_ids) > 1:
             continue  # a text marker is not one token to bias towards
         ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
         assert (thinking.open is None) == (family != "qwen3")
+        opener = 0 if thinking.open is None else len(
+            e.compiler.tokenizer.tokenize_str(thinking.open))
+
+        def natural(n: int, thought: bool = True) -> bool:
+            """Ended by the model before the budget (after thinking a while, if `thought`)."""
+            return opener + len(close_ids) - (not thought) < n < opener + (budget or 0)
+
         for mode, base in MODES.items():
-            params = dataclasses.replace(
-                base, logit_bias=((close_ids[0], bias),) if bias else ())
-            want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
-                                        max_tokens=MAX_TOKENS, spec=None, thinking=thinking))
+            # A natural end after some thinking if a bias gives one, else at the first
+            # position (a greedy random model repeats itself: the end comes at once or never).
+            tried = []
+            for b in (bias,) if bias is not None else NATURAL_BIASES:
+                params = dataclasses.replace(
+                    base, logit_bias=((close_ids[0], b),) if b else ())
+                want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
+                                            max_tokens=MAX_TOKENS, spec=None,
+                                            thinking=thinking))
+                n = e.reasoning_tokens(want.tokens, thinking)
+                tried.append((n, params, want))
+                if bias is not None or natural(n):
+                    break
+            else:
+                n, params, want = next(x for x in tried if natural(x[0], thought=False))
             g = e.compiled(e.prepare(ids, constraint=constraint, thinking=thinking))
             rule = None if budget is None else ThinkingRule(
                 budget, close_ids, lambda toks: "</think>" in tok.decode(list(toks)),
@@ -132,13 +154,12 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
             assert answer is not None, (end, mode, want.text)
             n_think = e.reasoning_tokens(want.tokens, thinking)
             if end == "at-once":
-                assert reasoning == ("" if thinking.open is None else "")
+                assert reasoning == "" and n_think == opener + len(close_ids), want.text
             elif end == "budget":
-                opener = 0 if thinking.open is None else len(
-                    e.compiler.tokenizer.tokenize_str(thinking.open))
                 assert n_think == opener + budget + len(close_ids), (n_think, want.text)
             else:
-                assert 1 < n_think, want.text  # chose to stop thinking, after thinking
+                assert natural(n_think, thought=False), want.text
+                thought_first += natural(n_think)
             seen_ends.add(end)
             if want.finish_reason == "stop":
                 jsonschema.validate(json.loads(answer), SCHEMA)
@@ -156,6 +177,7 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     assert not bad, "\n".join(bad)
     assert seen_ends == ({"at-once", "budget", "natural"} if len(close_ids) == 1
                          else {"at-once", "budget"})
+    assert thought_first or len(close_ids) > 1, "no natural end came after some thinking"
 
 
 def test_a_template_without_a_think_block_cannot_think(models, tmp_path):
@@ -255,3 +277,57 @@ def test_bad_thinking_requests_are_a_400_naming_the_field(server, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "messages": MESSAGES, "max_tokens": 5, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_budget_ending_mid_character_waits_for_the_character(models):
+    # A byte-level vocabulary splits many characters over tokens; the end marker cannot
+    # follow half a character, so the budget's marker comes at the first position after.
+    target, engines = models["r1"]
+    e = engines["none"]
+    constraint = Constraint.json_schema(SCHEMA)
+    ids, free = e.chat_prompt_thinking(MESSAGES, budget=None)
+    params = MODES["seeded"]
+    base = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
+                                max_tokens=30, spec=None, thinking=free))
+    mid = [b for b in range(1, 25) if e.decode_text(base.tokens[:b]).endswith("\ufffd")]
+    assert mid, "no budget lands mid-character in this output"
+    budget = mid[0]
+    ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
+    want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
+                                max_tokens=MAX_TOKENS, spec=None, thinking=thinking))
+    reasoning, answer = split_reasoning(want.text, thinking)
+    assert answer is not None and "\ufffd" not in reasoning
+    assert e.reasoning_tokens(want.tokens, thinking) > budget + 1  # the character finished
+    close_ids = marker_ids(e.compiler.tokenizer, "</think>")[0]
+    g = e.compiled(e.prepare(ids, constraint=constraint, thinking=thinking))
+    ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
+                           eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
+                           matcher=g.matcher(), temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, seed=params.seed or 0,
+                           thinking=ThinkingRule(budget, close_ids,
+                                                 lambda toks: close_ids[0] in toks))
+    assert list(ref.tokens) == list(want.tokens)
+    for cell in CELLS[:2]:
+        eng = engines[cell.draft]
+        got = eng.generate(eng.prepare(ids, constraint=constraint, sampling=params,
+                                       max_tokens=MAX_TOKENS, spec=cell.spec,
+                                       thinking=thinking))
+        assert got.tokens == want.tokens, cell.name
+
+
+def test_stop_strings_apply_to_the_answer_only(models):
+    target, engines = models["r1"]
+    e = engines["none"]
+    ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=10)
+    constraint = Constraint.json_schema(SCHEMA)
+    seeded = MODES["seeded"]
+    base = e.generate(e.prepare(ids, constraint=constraint, max_tokens=MAX_TOKENS, spec=None,
+                                thinking=thinking, sampling=seeded))
+    reasoning, answer = split_reasoning(base.text, thinking)
+    stop = next(reasoning[i:i + 2] for i in range(len(reasoning) - 1)
+                if reasoning[i:i + 2].strip() and reasoning[i:i + 2] not in answer)
+    got = e.generate(e.prepare(ids, constraint=constraint, max_tokens=MAX_TOKENS, spec=None,
+                               thinking=thinking, stop=(stop, '"age"'), sampling=seeded))
+    r2, a2 = split_reasoning(got.text, thinking)
+    assert r2 == reasoning and stop in r2  # not cut inside the thinking
+    assert a2 == answer[:answer.index('"age"')] and got.finish_reason == "stop"
