@@ -37,7 +37,7 @@ from .openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, Health, ModelList,
                       error_responses, openapi)
 from .protocol import Common, parse_chat, parse_completion
 from .worker import EngineWorker, Job
-from specdec.scheduler import DeadlineExceeded, QueueFull
+from specdec.scheduler import DeadlineExceeded, QueueFull, SchedulerStopped
 
 log = logging.getLogger("specdec.server")
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -57,13 +57,26 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                compile_timeout_s: float = COMPILE_TIMEOUT_S,
                max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
                request_timeout_s: float | None = REQUEST_TIMEOUT_S,
-               max_thinking_tokens: int = MAX_THINKING_TOKENS) -> FastAPI:
+               max_thinking_tokens: int = MAX_THINKING_TOKENS, channel: Any = None
+               ) -> FastAPI:
     """The ASGI app serving `engine`: one scheduler thread decoding up to `max_batch`
     requests together, `max_queue` more waiting (then 503); compiles in a small pool."""
     app = FastAPI(title="specdec")
     app.openapi = lambda: openapi(app, engine.target.vocab_size)  # type: ignore[method-assign]
+    def lost(e: Exception) -> None:
+        """A sharded target lost a rank: the requests have failed; exit non-zero once their
+        error responses are out (a follower exits too; the launcher reports it)."""
+        import os
+        import threading
+
+        from specdec.distributed import EXIT_LOST_RANK
+
+        log.error("the sharded target lost a rank (%s): exiting", e)
+        threading.Timer(2.0, os._exit, (EXIT_LOST_RANK,)).start()
+
     worker = EngineWorker(engine, max_batch=max_batch, max_queue=max_queue,
-                          request_timeout_s=request_timeout_s)
+                          request_timeout_s=request_timeout_s, channel=channel,
+                          on_fatal=lost)
     metrics = Metrics()
     compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-compile")
     model_name = engine.target.name
@@ -167,6 +180,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         job = Job(req, loop=asyncio.get_running_loop())
         try:
             worker.submit(job)
+        except SchedulerStopped as e:
+            raise APIError(503, str(e), type="server_error", code="unavailable") from e
         except QueueFull as e:
             metrics.add(requests_rejected_total=1)
             raise APIError(503, f"the server is at capacity: {e}; retry after "
@@ -183,7 +198,10 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                                engine=engine)
 
     @app.get("/health", response_model=Health)
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        if worker.scheduler.fatal is not None:  # not ready: a balancer sends no more here
+            return JSONResponse({"status": "stopping", "model": model_name,
+                                 "queue_depth": worker.queue_depth}, status_code=503)
         return {"status": "ok", "model": model_name, "queue_depth": worker.queue_depth}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
@@ -310,6 +328,8 @@ def _extension(job: Job, stats: Any, seconds: float, warnings: tuple[str, ...]
 def _error_of(e: Exception) -> APIError:
     if isinstance(e, DeadlineExceeded):
         return APIError(504, f"{e}; it was stopped", type="server_error", code="timeout")
+    if isinstance(e, SchedulerStopped):
+        return APIError(503, str(e), type="server_error", code="unavailable")
     if isinstance(e, GrammarStateError):
         return APIError(500, f"internal error: {e}; no output past that point was emitted",
                         type="server_error", code="grammar_state")
@@ -480,6 +500,9 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
                 call = (_tool_call(answer, finish) if common.tools and answer is not None
                         else None)
                 if call is not None:
+                    if split is not None:  # the thinking before the call (held back)
+                        for c in deltas(text[:len(text) - len(answer or "")], final=True):
+                            yield c
                     body = {"id": rid, "object": obj, "created": created, "model": model,
                             "choices": [{"index": 0, "finish_reason": None, "logprobs": None,
                                          "delta": {"tool_calls": [{"index": 0, **call}]}}]}
@@ -507,7 +530,7 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: str | None = None,
           compile_timeout_s: float = COMPILE_TIMEOUT_S, max_batch: int = MAX_BATCH,
           max_queue: int = MAX_QUEUE, request_timeout_s: float | None = REQUEST_TIMEOUT_S,
-          max_thinking_tokens: int = MAX_THINKING_TOKENS) -> None:
+          max_thinking_tokens: int = MAX_THINKING_TOKENS, channel: Any = None) -> None:
     """Serve an engine until interrupted."""
     import uvicorn
 
@@ -517,11 +540,25 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(engine, api_key=api_key, chat_template=chat_template,
                      compile_timeout_s=compile_timeout_s, max_batch=max_batch,
                      max_queue=max_queue, request_timeout_s=request_timeout_s,
-                     max_thinking_tokens=max_thinking_tokens)
+                     max_thinking_tokens=max_thinking_tokens, channel=channel)
     draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward else "")
              if engine.draft is None else
              "self" if engine.draft is engine.target else engine.draft.name)
     log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, max batch %d, BLAS: %s)",
              engine.target.name, host, port, draft, engine.default_spec.k, max_batch,
              blas.active())
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    if channel is not None:
+        log.info("target sharded over %d ranks (mlx.launch); this is rank 0",
+                 channel.group.size())
+    # SIGTERM/SIGINT: stop accepting, let in-flight requests finish (at most 30 s), then stop
+    # the scheduler (a sharded target's other ranks stop with it) and exit 0. (uvicorn
+    # re-raises the signal after its shutdown, to the handler it found: this one.)
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info",
+                    timeout_graceful_shutdown=30)
+    finally:
+        app.state.worker.scheduler.stop(wait_s=10)

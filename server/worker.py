@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.decode import GrammarStateError
+from specdec.distributed import for_replicas
 from specdec.engine import Engine, Request
 from specdec.scheduler import DeadlineExceeded, Event, Scheduler, Ticket
 from specdec.speculative import SpecStats
@@ -39,10 +40,14 @@ class EngineWorker:
     """
 
     def __init__(self, engine: Engine, max_batch: int = 8, max_queue: int = 64,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, channel: Any = None,
+                 on_fatal: Any = None) -> None:
         self.engine, self.request_timeout_s = engine, request_timeout_s
+        self.channel = channel  # a sharded target: rounds are published to the other ranks
         self.scheduler = Scheduler(engine.models, max_batch=max_batch, max_queue=max_queue,
-                                   kv_store=engine.kv_store)
+                                   kv_store=engine.kv_store,
+                                   publish=channel.send if channel is not None else None,
+                                   on_fatal=on_fatal)
 
     @property
     def queue_depth(self) -> int:
@@ -73,7 +78,8 @@ class EngineWorker:
         self.scheduler.submit(Ticket(start=lambda: engine.new_state(req, stats),
                                      text=engine.text_stream(req), sink=sink,
                                      cancelled=job.cancelled,
-                                     timeout_s=self.request_timeout_s))
+                                     timeout_s=self.request_timeout_s,
+                                     request=for_replicas(req) if self.channel else None))
 
     def stop(self) -> None:
         self.scheduler.stop()

@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, help="draft blocks")
     d.add_argument("--draft-vocab", type=int, help="draft output ids")
 
+    la = sub.add_parser("launch", help="run a specdec command on several ranks with "
+                                       "mlx.launch (ring backend); exits non-zero when a "
+                                       "rank fails")
+    la.add_argument("-n", type=int, default=2, help="ranks on this machine")
+    la.add_argument("--launcher-arg", action="append", default=[],
+                    help="an argument for mlx.launch (repeatable), e.g. --hostfile=FILE")
+    la.add_argument("command", nargs=argparse.REMAINDER,
+                    help="-- then the specdec command, e.g. -- serve --model DIR")
+
     s = sub.add_parser("serve", help="OpenAI-compatible server")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -104,15 +113,16 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "forward instead of feeding runs of grammar-forced tokens at once")
 
 
-def build_engine(model: str, args: argparse.Namespace) -> Any:
-    """Load the target (and draft) named on the command line into an Engine."""
+def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) -> Any:
+    """Load the target (and draft) named on the command line into an Engine (the target
+    sharded over `shard_group` when given; the draft whole on every rank)."""
     from . import load
     from .engine import Engine
     from .speculative import SpecConfig
 
     from .models import DEFAULT_DRAFT, DEFAULT_MODEL
 
-    target = load(model)
+    target = load(model, shard_group=shard_group)
     draft = None
     name = args.draft_model
     if name == "auto":
@@ -241,13 +251,36 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.app import serve
 
+    from . import distributed
+
+    g = distributed.group()  # started by mlx.launch: the target is sharded over the ranks
+    engine = build_engine(args.model, args, shard_group=g)
+    channel = distributed.Channel(g) if g is not None else None
+    if channel is not None and channel.rank != 0:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        return distributed.follow(engine, channel, args.max_batch)
     template = Path(args.chat_template).read_text() if args.chat_template else None
-    serve(build_engine(args.model, args), host=args.host, port=args.port,
+    serve(engine, host=args.host, port=args.port,
           api_key=args.api_key, chat_template=template,
           compile_timeout_s=args.compile_timeout, max_batch=args.max_batch,
           max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
-          max_thinking_tokens=args.max_thinking_tokens)
+          max_thinking_tokens=args.max_thinking_tokens, channel=channel)
     return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from . import distributed
+
+    rest = list(args.command)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest:
+        print("specdec launch: give the specdec command to run, e.g. "
+              "`specdec launch -n 2 -- serve --model DIR`", file=sys.stderr)
+        return 2
+    return distributed.launch(args.n, rest, args.launcher_arg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from .models import ModelNotFoundError
 
     handlers = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve,
-                "distill": cmd_distill}
+                "distill": cmd_distill, "launch": cmd_launch}
     try:
         return handlers[args.cmd](args)
     except GrammarStateError as e:

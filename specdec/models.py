@@ -203,7 +203,24 @@ class MappedDraft(nn.Module):
         return self.map_logits(self.inner(self._to_draft[inputs], cache=cache))  # (B, T, V)
 
 
-def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:
+def _shard(module: Any, config: dict[str, Any], group: Any) -> None:
+    """Replace `module`'s layers by this rank's tensor-parallel slice (mlx-lm's own)."""
+    n = group.size()
+    if not hasattr(module, "shard"):
+        raise ValueError(f"model type {config.get('model_type')!r} has no "
+                                 "tensor-parallel sharding in mlx-lm")
+    sizes = {k: config.get(k) for k in ("num_attention_heads", "num_key_value_heads",
+                                        "intermediate_size")}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % n}
+    if bad:
+        raise ValueError(f"cannot shard this model over {n} ranks: {bad} must be "
+                                 f"multiples of {n}")
+    module.shard(group)
+    mx.eval(module.parameters())
+
+
+def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL,
+         shard_group: Any = None) -> LoadedModel:
     """Load a target or draft model.
 
     A directory with a `token_map.json` (written by `specdec distill`) is a pruned-vocabulary
@@ -213,6 +230,8 @@ def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:
     Args:
         model: `"default"` (the embedded SmolLM2-135M-Instruct), `"default-draft"` (the draft
             shipped for it) or a local mlx-lm directory.
+        shard_group: an `mx.distributed` group: load this rank's tensor-parallel slice
+            (mlx-lm's `Model.shard`; the heads and MLP width must divide by the group size).
     Returns:
         The loaded model.
     Raises:
@@ -223,8 +242,10 @@ def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
     path = resolve_model_path(model)
-    module, wrapper = mlx_load(str(path))[:2]
+    module, wrapper = mlx_load(str(path), lazy=shard_group is not None)[:2]
     config = json.loads((path / "config.json").read_text())
+    if shard_group is not None:
+        _shard(module, config, shard_group)
     if not gpu_backend() and any(v.dtype in (mx.float16, mx.bfloat16)
                                  for _, v in tree_flatten(module.parameters())):
         module.set_dtype(mx.float32)

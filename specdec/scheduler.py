@@ -31,6 +31,10 @@ class QueueFull(RuntimeError):
     """The scheduler's waiting queue is at its bound; retry later."""
 
 
+class SchedulerStopped(RuntimeError):
+    """The scheduler stopped after a fatal error (a replica of a sharded target was lost)."""
+
+
 class DeadlineExceeded(RuntimeError):
     """A request ran (or waited) past its time limit; it was stopped, nothing lost."""
 
@@ -80,9 +84,22 @@ class Ticket:
     state: DecodeState | None = None
     t0: float = 0.0
     timeout_s: float | None = None
+    request: Any = None  # what a replica needs to rebuild the ticket (`distributed`)
+    key: int = 0  # submission number, set by `submit`
 
     def overdue(self, now: float) -> bool:
         return self.timeout_s is not None and now - self.t0 > self.timeout_s
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """A round's decisions that depend on time and clients, not on the requests: which
+    waiting requests join (key, request), which end late, which were cancelled; or stop."""
+
+    admit: tuple[tuple[int, Any], ...] = ()
+    late: tuple[int, ...] = ()
+    gone: tuple[int, ...] = ()
+    stop: bool = False
 
 
 @dataclass
@@ -106,22 +123,34 @@ class Scheduler:
         max_queue: most requests waiting for a slot (then `submit` raises QueueFull).
         chunk: prefill chunk (tokens) an arrival advances per round.
         kv_store: prompt-state reuse across requests, or None.
+        publish: called once per round, before anything of it runs, with the round's
+            decisions that depend on time and clients (`Decisions`); a sharded target's
+            replicas apply them to replay the round in lockstep (`distributed`). An
+            exception in a published round is fatal: every request fails, `on_fatal` runs.
+        thread: run the loop on a thread of its own (False: the caller drives `replay`).
     """
 
     def __init__(self, models: Any, max_batch: int = 8, max_queue: int = 64,
-                 chunk: int = 512, kv_store: Any = None) -> None:
+                 chunk: int = 512, kv_store: Any = None,
+                 publish: Callable[[Decisions], None] | None = None,
+                 on_fatal: Callable[[Exception], None] | None = None,
+                 thread: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch={max_batch} must be >= 1, max_queue={max_queue} >= 0")
         self.models, self.max_batch, self.max_queue = models, max_batch, max_queue
         self.chunk, self.kv_store = chunk, kv_store
+        self.publish, self.on_fatal = publish, on_fatal
+        self.fatal: Exception | None = None
         self.stats = SchedulerStats()
         self._waiting: deque[Ticket] = deque()
         self._active: list[Ticket] = []
         self._cv = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="specdec-scheduler",
-                                        daemon=True)
-        self._thread.start()
+        self._keys = 0
+        if thread:
+            self._thread = threading.Thread(target=self._loop, name="specdec-scheduler",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def queue_depth(self) -> int:
@@ -134,18 +163,27 @@ class Scheduler:
     def submit(self, ticket: Ticket) -> None:
         """Queue a request. Raises QueueFull when `max_queue` requests already wait."""
         with self._cv:
+            if self.fatal is not None:
+                raise SchedulerStopped(f"the server stopped after a fatal error: {self.fatal}")
             # Capacity: max_batch decoding plus max_queue waiting (admission lags a round).
             if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{self.max_batch} requests are decoding and "
                                 f"{len(self._waiting)} waiting (at most {self.max_queue})")
             ticket.t0 = time.perf_counter()
+            self._keys += 1
+            ticket.key = self._keys
             self._waiting.append(ticket)
             self._cv.notify()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Stop the loop after its current round (a sharded target's replicas are told);
+        wait up to `wait_s` seconds for it."""
         with self._cv:
             self._stop = True
             self._cv.notify()
+        thread = getattr(self, "_thread", None)
+        if wait_s > 0 and thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -154,39 +192,81 @@ class Scheduler:
                 while not self._stop and not self._waiting and not self._active:
                     self._cv.wait()
                 if self._stop:
+                    if self.publish is not None and self.fatal is None:
+                        self._publish(Decisions(stop=True))
                     return
+                admitted = []
                 while self._waiting and len(self._active) < self.max_batch:
-                    self._active.append(self._waiting.popleft())
+                    admitted.append(self._waiting.popleft())
+                    self._active.append(admitted[-1])
             try:
-                self._step()
-            except Exception as e:  # a fault outside any one request: fail them all, go on
+                self._step(admitted)
+            except Exception as e:  # a fault outside any one request: fail them all
                 log.exception("scheduler round failed")
-                for t in self._active:
+                if self.publish is not None:  # the replicas may have diverged: stop
+                    e = SchedulerStopped(f"the sharded target failed ({e}); this server "
+                                         "is stopping")
+                for t in list(self._active):
                     self._finish(t, error=e)
                 self._active = []
+                if self.publish is not None:
+                    self._die(e)
+                    return
 
-    def _expire(self) -> None:
-        """End requests past their time limit, decoding or still waiting."""
+    def _publish(self, d: Decisions) -> None:
+        assert self.publish is not None
+        self.publish(d)
+
+    def _die(self, e: Exception) -> None:
+        """A published round failed (a replica lost, say): fail every request, accept no
+        more, and tell the owner."""
+        with self._cv:
+            self.fatal = e
+            waiting, self._waiting = list(self._waiting), deque()
+        for t in waiting:
+            self._finish(t, error=e)
+        if self.on_fatal is not None:
+            self.on_fatal(e)
+
+    def _late(self) -> list[Ticket]:
+        """Requests past their time limit, decoding or still waiting (taken off the queue)."""
         now = time.perf_counter()
         with self._cv:
             late = [t for t in self._waiting if t.overdue(now)]
             for t in late:
                 self._waiting.remove(t)
-        late += [t for t in self._active if t.overdue(now) and not t.cancelled.is_set()]
+        return late + [t for t in self._active if t.overdue(now) and not t.cancelled.is_set()]
+
+    def _step(self, admitted: list[Ticket] = ()) -> None:  # type: ignore[assignment]
+        late = self._late()
+        gone = [t for t in self._active if t.cancelled.is_set() and t not in late]
+        if self.publish is not None:
+            self._publish(Decisions(admit=tuple((t.key, t.request) for t in admitted),
+                                    late=tuple(t.key for t in late),
+                                    gone=tuple(t.key for t in gone)))
+        self.replay(late, gone)
+
+    def admit(self, ticket: Ticket) -> None:
+        """Make a ticket active now (a replica admitting what the leader admitted)."""
+        self._active.append(ticket)
+
+    def replay(self, late: list[Ticket], gone: list[Ticket]) -> None:
+        """Run one round given its decisions: `late` requests end with DeadlineExceeded,
+        `gone` ones (their clients left) are dropped; everything else in the round follows
+        from the requests themselves, so replicas that apply the same decisions run the same
+        forwards."""
         for t in late:
             self.stats.timed_out += 1
             self._finish(t, error=DeadlineExceeded(
                 f"the request ran past the server's time limit of {t.timeout_s:g}s"))
-
-    def _step(self) -> None:
-        self._expire()
-        for t in list(self._active):
-            if t.cancelled.is_set():
+        for t in gone:
+            if t in self._active:
                 self.stats.cancelled += 1
                 self._active.remove(t)
                 if t.state is not None:
                     t.state.release()
-            elif t.state is None:
+        for t in list(self._active):
+            if t.state is None:
                 try:
                     t.state = t.start()
                 except Exception as e:
@@ -206,7 +286,7 @@ class Scheduler:
         for t in ready:
             s = t.state
             assert s is not None
-            if s.new_tokens and not t.cancelled.is_set():
+            if s.new_tokens and t not in gone:
                 stop = False
                 for j, tok in enumerate(s.new_tokens):
                     delta, stop = t.text.feed(tok)

@@ -54,7 +54,9 @@ class Server:
         raise RuntimeError("server did not come up")
 
     def log(self) -> str:
-        """What the server has logged so far."""
+        """What the server has logged so far (all of it, once stopped)."""
+        if self._log.closed:
+            return self._final
         with open(self._log.name) as f:
             return f.read()
 
@@ -62,10 +64,12 @@ class Server:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
                              timeout=300)
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 20) -> None:
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        self._log.close()
+        if not self._log.closed:
+            self._final = self.log()
+            self._log.close()
