@@ -206,8 +206,10 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def prom() -> PlainTextResponse:
+        ch = worker.channel
         return PlainTextResponse(metrics.render(worker.queue_depth, worker.scheduler.stats,
-                                                worker.scheduler.active),
+                                                worker.scheduler.active,
+                                                ch.collective_s if ch is not None else None),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))

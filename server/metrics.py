@@ -35,7 +35,11 @@ class Metrics:
                  grammar_cuts_total=stats.grammar_cuts,
                  mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
 
-    def render(self, queue_depth: int, sched: Any = None, active: int = 0) -> str:
+    def render(self, queue_depth: int, sched: Any = None, active: int = 0,
+               collective_s: float | None = None) -> str:
+        """Prometheus text. Counters and the queue/active gauges add up across replicas;
+        the ratio gauges (acceptance rate, mean batch size) are derived from counters, so
+        across replicas derive them from the summed counters instead."""
         with self._lock:
             c = dict(self.c)
         lines = []
@@ -61,4 +65,7 @@ class Metrics:
                       f"specdec_cancelled_total {sched.cancelled}",
                       "# TYPE specdec_timed_out_total counter",
                       f"specdec_timed_out_total {sched.timed_out}"]
+        if collective_s is not None:  # a sharded target: rank 0's per-round broadcasts
+            lines += ["# TYPE specdec_broadcast_seconds_total counter",
+                      f"specdec_broadcast_seconds_total {collective_s:g}"]
         return "\n".join(lines) + "\n"

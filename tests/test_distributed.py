@@ -157,3 +157,26 @@ def test_a_killed_rank_fails_the_request_and_the_launcher(dirs):
         if s.proc.poll() is None:
             s.proc.send_signal(signal.SIGKILL)
         s.stop()
+
+
+def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(dirs):
+    # A replica behind a balancer: on SIGTERM it stops accepting, finishes what it has, and
+    # exits 0.
+    target_dir, _ = dirs
+    s = Server("--model", str(target_dir), "--draft-model", "none")
+    result: dict = {}
+
+    def request() -> None:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 1500, "temperature": 0})
+        result["status"], result["n"] = r.status_code, r.json()["usage"]["completion_tokens"]
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(1.0)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(timeout=90)
+    assert result == {"status": 200, "n": 1500}, (result, s.log()[-2000:])
+    assert s.proc.wait(timeout=30) == 0
+    s.stop()
