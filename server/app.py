@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import hmac
 import json
 import logging
@@ -63,11 +64,11 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     requests together, `max_queue` more waiting (then 503); compiles in a small pool."""
     app = FastAPI(title="specdec")
     app.openapi = lambda: openapi(app, engine.target.vocab_size)  # type: ignore[method-assign]
+
     def lost(e: Exception) -> None:
         """A sharded target lost a rank: the requests have failed; exit non-zero once their
         error responses are out (a follower exits too; the launcher reports it)."""
         import os
-        import threading
 
         from specdec.distributed import EXIT_LOST_RANK
 
@@ -528,6 +529,27 @@ async def _sse(job: Job, common: Common, rid: str, model: str, kind: str, metric
         job.cancelled.set()  # client gone mid-stream: the engine stops within one round
 
 
+ROUND_LIMIT_S = 300.0  # a sharded target's round that runs longer has lost a rank
+STOPPING_ROUND_LIMIT_S = 5.0  # ... once asked to stop (mlx.launch stops the others so)
+
+
+def _watchdog(server: Any, sched: Any) -> None:
+    """A sharded target: a collective whose peer died may never return. A round that runs
+    past the limit (much shorter once the server was asked to stop: mlx.launch stops the
+    other ranks when one fails) fails every request with a 503, and the server exits."""
+    from specdec.scheduler import SchedulerStopped
+
+    while sched.fatal is None:
+        time.sleep(0.5)
+        started = sched.round_started
+        limit = STOPPING_ROUND_LIMIT_S if server.should_exit else ROUND_LIMIT_S
+        if started is not None and time.perf_counter() - started > limit:
+            log.error("a round has run for over %.0fs: a rank is lost", limit)
+            sched.abort(SchedulerStopped("the sharded target failed (a rank stopped "
+                                         "responding); this server is stopping"))
+            return
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, chat_template: str | None = None,
           compile_timeout_s: float = COMPILE_TIMEOUT_S, max_batch: int = MAX_BATCH,
@@ -549,9 +571,11 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, max batch %d, BLAS: %s)",
              engine.target.name, host, port, draft, engine.default_spec.k, max_batch,
              blas.active())
+    import os
+
     if channel is not None:
-        log.info("target sharded over %d ranks (mlx.launch); this is rank 0",
-                 channel.group.size())
+        log.info("target sharded over %d ranks (mlx.launch); this is rank 0 (pid %d)",
+                 channel.group.size(), os.getpid())
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish (at most 30 s), then stop
     # the scheduler (a sharded target's other ranks stop with it) and exit 0. (uvicorn
     # re-raises the signal after its shutdown, to the handler it found: this one.)
@@ -559,8 +583,12 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=30))
+    if channel is not None:
+        threading.Thread(target=_watchdog, args=(server, app.state.worker.scheduler),
+                         name="specdec-watchdog", daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info",
-                    timeout_graceful_shutdown=30)
+        server.run()
     finally:
         app.state.worker.scheduler.stop(wait_s=10)

@@ -57,7 +57,7 @@ class StreamOptions(_Open):
 
 class JSONSchemaFormat(_Open):
     name: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] | bool = Field(alias="schema")
     strict: bool | None = None
 
 
@@ -70,7 +70,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's structured outputs: exactly one kind."""
 
     model_config = ConfigDict(extra="forbid")
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
@@ -139,8 +139,12 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[
-        list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(
-        description="one prompt: text, or token ids of the model's vocabulary")
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)] | Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+        Field(min_length=1, max_length=1)] = Field(
+        description="one prompt: text, or token ids of the model's vocabulary (or a list "
+                    "holding one of them)")
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
@@ -263,6 +267,27 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def check(model: type[BaseModel], body: Any) -> None:
+    """Refuse a body the document does not describe (a wrong type, a value out of range):
+    the handlers' own parsing names most mistakes first; this catches the rest, so nothing
+    the document forbids is silently accepted.
+
+    Raises:
+        APIError: 400 naming the first offending field.
+    """
+    from pydantic import ValidationError
+
+    from .errors import bad_request
+
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        raise bad_request(f"{path.lstrip('.')}: {err['msg']}", str(err["loc"][0])
+                          if err["loc"] else None) from None
+
+
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     why = {400: "invalid request (OpenAI's error shape, `param` names the field)",
            401: "missing or wrong API key", 404: "unknown model or path",
@@ -271,8 +296,12 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": why[c]} for c in codes}
 
 
-SSE = {"text/event-stream": {"schema": {"type": "string"},
-                             "description": "with stream: true, server-sent events"}}
+SSE = {"text/event-stream": {
+    "description": "with stream: true, server-sent events: each `data` a JSON chunk "
+                   "(chat.completion.chunk / text_completion; an error object after a "
+                   "failure), then `[DONE]`",
+    "schema": {"type": "object", "required": ["data"],
+               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
 GENERATE_RESPONSES = error_responses(400, 401, 404, 413, 503, 504)
 CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": ChatCompletion, "content": SSE}, **GENERATE_RESPONSES}

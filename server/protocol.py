@@ -9,7 +9,9 @@ from specdec.grammar import Constraint
 from specdec.sampling import SamplingError, SamplingParams
 from specdec.speculative import DraftConfigError, SpecConfig
 
+from . import openapi
 from .errors import bad_request
+from .openapi import check
 
 # Parameters that change what a request means and that this server does not implement: a
 # 400 naming them (never silently ignored), unless given their no-op value.
@@ -94,6 +96,9 @@ def parse_constraint(body: dict[str, Any], allow_response_format: bool = True
             raise bad_request("'response_format' must be an object with a 'type'",
                               "response_format")
         t = rf["type"]
+        if t != "json_schema" and rf.get("json_schema") is not None:
+            raise bad_request(f"response_format.json_schema is for type 'json_schema', not "
+                              f"{t!r}: drop it or set the type", "response_format.json_schema")
         if t == "json_object":
             found.append(Constraint.json_object())
         elif t == "json_schema":
@@ -343,6 +348,7 @@ def parse_chat(body: Any) -> ChatRequest:
                           "reasoning_effort" if effort is not None else "chat_template_kwargs")
     if thinking:
         kwargs = {k: v for k, v in kwargs.items() if k not in asked}
+    check(openapi.ChatCompletionRequest, body)
     return ChatRequest(common, messages, kwargs, thinking, budget)
 
 
@@ -402,4 +408,5 @@ def parse_completion(body: Any) -> CompletionRequest:
     if not (isinstance(prompt, str) and prompt) and not ok_ids:
         raise bad_request("'prompt' must be a non-empty string or a list of token ids "
                           "(one prompt per request)", "prompt")
+    check(openapi.CompletionRequest, body)
     return CompletionRequest(common, prompt)

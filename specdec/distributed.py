@@ -89,10 +89,6 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
 
     sched = Scheduler(engine.models, max_batch=max_batch, max_queue=0, chunk=chunk,
                       kv_store=engine.kv_store, thread=False)
-    # A follower stops when rank 0 says so (rank 0 stops gracefully on SIGTERM) or when the
-    # group is lost; signals to the whole group must not cut it off mid-round first.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
     tickets: dict[int, Ticket] = {}
     log.info("rank %d (pid %d) following rank 0", channel.rank, os.getpid())
     while True:
@@ -122,6 +118,7 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
 
 # -- the launcher ---------------------------------------------------------------------------
 _FAILED = re.compile(r"Node with rank (\d+) (exited with code|was killed)")
+_RANK0 = re.compile(r"rank 0 \(pid (\d+)\)")
 
 
 def launch(n: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> int:
@@ -140,16 +137,18 @@ def launch(n: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> in
     failed: list[str] = []
 
     signalled: list[float] = []
+    rank0: list[int] = []  # rank 0's pid, from its log line
 
     def forward(signum: int, _frame: Any) -> None:
-        """To the ranks (mlx.launch's children), not to mlx.launch: it reports their exit."""
+        """To rank 0, which stops the group gracefully (finishing what it has); to every
+        rank when rank 0 is not known (mlx.launch's children: it reports their exits)."""
         signalled.append(time.monotonic())
-        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                              text=True).stdout.split()
-        for pid in kids:
+        pids = rank0 or [int(p) for p in subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+        for pid in pids:
             try:
-                os.kill(int(pid), signum)
-            except (ProcessLookupError, ValueError):
+                os.kill(pid, signum)
+            except ProcessLookupError:
                 pass
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -163,6 +162,9 @@ def launch(n: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> in
             m = _FAILED.search(line)
             if m:
                 failed.append(line.strip())
+            m = _RANK0.search(line)
+            if m and not rank0:
+                rank0.append(int(m.group(1)))
 
     t = threading.Thread(target=pump, daemon=True)
     t.start()

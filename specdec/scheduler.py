@@ -141,6 +141,7 @@ class Scheduler:
         self.chunk, self.kv_store = chunk, kv_store
         self.publish, self.on_fatal = publish, on_fatal
         self.fatal: Exception | None = None
+        self.round_started: float | None = None  # perf_counter at the current round's start
         self.stats = SchedulerStats()
         self._waiting: deque[Ticket] = deque()
         self._active: list[Ticket] = []
@@ -200,8 +201,13 @@ class Scheduler:
                     admitted.append(self._waiting.popleft())
                     self._active.append(admitted[-1])
             try:
+                self.round_started = time.perf_counter()
                 self._step(admitted)
+                self.round_started = None
             except Exception as e:  # a fault outside any one request: fail them all
+                self.round_started = None
+                if self.fatal is not None:
+                    return  # aborted from outside while the round was stuck
                 log.exception("scheduler round failed")
                 if self.publish is not None:  # the replicas may have diverged: stop
                     e = SchedulerStopped(f"the sharded target failed ({e}); this server "
@@ -225,6 +231,21 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), deque()
         for t in waiting:
             self._finish(t, error=e)
+        if self.on_fatal is not None:
+            self.on_fatal(e)
+
+    def abort(self, e: Exception) -> None:
+        """From another thread, while a round is stuck (a collective that never returns):
+        fail every request now and accept no more. The loop does not run again."""
+        with self._cv:
+            if self.fatal is not None:
+                return
+            self.fatal = e
+            self._stop = True
+            tickets = [*self._active, *self._waiting]
+            self._waiting = deque()
+        for t in tickets:
+            t.sink(Event(error=e, seconds=time.perf_counter() - t.t0))
         if self.on_fatal is not None:
             self.on_fatal(e)
 

@@ -148,7 +148,7 @@ def test_a_killed_rank_fails_the_request_and_the_launcher(dirs):
         subprocess.run(["kill", "-9", m.group(1)], check=True)
         t.join(timeout=60)
         assert not t.is_alive(), "the request hung"
-        assert result["status"] == 503, result
+        assert result["status"] == 503, (result, s.log()[-3000:])
         assert "sharded target failed" in result["body"], result
         rc = s.proc.wait(timeout=60)
         assert rc != 0, s.log()[-2000:]

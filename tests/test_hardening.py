@@ -389,3 +389,12 @@ def test_logprobs_are_those_of_the_pick_and_equal_with_and_without_speculation(
 def test_bad_logprobs_requests_are_a_400(server, extra, param):
     r = post(server, {"messages": MSG, "max_tokens": 2, **extra})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("rf", [{"type": "text", "json_schema": "not a schema"},
+                                {"type": "json_object", "json_schema": {"schema": {}}}])
+def test_a_json_schema_beside_another_response_format_type_is_a_400(server, rf):
+    # It would be ignored: the client meant something else (found by the OpenAPI fuzzer).
+    error_of(post(server, {"messages": MSG, "max_tokens": 3, "response_format": rf}), 400,
+             "response_format.json_schema")
+    ok_after(server)
