@@ -46,7 +46,7 @@ class EngineWorker:
         self.channel = channel  # a sharded target: rounds are published to the other ranks
         self.scheduler = Scheduler(engine.models, max_batch=max_batch, max_queue=max_queue,
                                    kv_store=engine.kv_store,
-                                   publish=channel.send if channel is not None else None,
+                                   publish=channel.publish if channel is not None else None,
                                    on_fatal=on_fatal)
 
     @property

@@ -33,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .scheduler import Decisions
+
 log = logging.getLogger("specdec.distributed")
 
 EXIT_LOST_RANK = 3  # a rank's exit status when the group lost a member
@@ -65,16 +67,25 @@ class Channel:
     def send(self, obj: Any) -> None:
         """Rank 0: broadcast `obj` (every other rank is in `recv`)."""
         t0 = time.perf_counter()
-        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-        self._all_sum(np.array([data.size], dtype=np.int32))
-        self._all_sum(data.astype(np.int32))
+        if obj is None:  # the usual round: nothing to say, one collective
+            self._all_sum(np.zeros(1, dtype=np.int32))
+        else:
+            data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+            self._all_sum(np.array([data.size], dtype=np.int32))
+            self._all_sum(data.astype(np.int32))
         self.collective_s += time.perf_counter() - t0
 
     def recv(self) -> Any:
-        """Other ranks: the object rank 0 sends next."""
+        """Other ranks: the object rank 0 sends next (None: nothing)."""
         n = int(self._all_sum(np.zeros(1, dtype=np.int32))[0])
+        if n == 0:
+            return None
         data = self._all_sum(np.zeros(n, dtype=np.int32)).astype(np.uint8)
         return pickle.loads(data.tobytes())
+
+    def publish(self, d: Any) -> None:
+        """The scheduler's `publish`: a round's decisions (nothing when there are none)."""
+        self.send(None if d == Decisions() else d)
 
 
 def for_replicas(request: Any) -> Any:
@@ -93,7 +104,7 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
     log.info("rank %d (pid %d) following rank 0", channel.rank, os.getpid())
     while True:
         try:
-            d = channel.recv()
+            d = channel.recv() or Decisions()
         except Exception as e:  # rank 0 (or another rank) is gone
             log.error("rank %d lost the group: %s", channel.rank, e)
             return EXIT_LOST_RANK
