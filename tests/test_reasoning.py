@@ -32,9 +32,9 @@ from specdec.grammar import Constraint
 from specdec.models import load
 from specdec.reasoning import ReasoningDeltas, Thinking, marker_ids, split_reasoning
 from tests import tally
-from tests.exactness import MODES, Cell
+from tests.exactness import MODES
 from tests.families import make_family
-from specdec.speculative import SpecConfig
+from tests.test_families import CELLS  # the proposer cells every family runs
 
 TEMPLATES = Path(__file__).parent / "templates"
 SCHEMA = {"type": "object", "properties": {
@@ -43,12 +43,6 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age"], "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "Extract the fields as JSON: Ada, 36."}]
 MAX_TOKENS = 60
-CELLS = [
-    Cell("self", SpecConfig(4, lookup=True)),
-    Cell("self", SpecConfig(3, draft_masking=False)),
-    Cell("self", SpecConfig(4, forced_drafting=False, lookup=True)),
-    Cell("none", SpecConfig(8, lookup=True)),
-]
 # template family -> (template file, whether the vocabulary has the think tokens)
 FAMILIES = {"r1": ("r1_style.jinja", True), "qwen3": ("qwen3.jinja", True),
             "text-markers": ("r1_style.jinja", False)}
