@@ -133,11 +133,14 @@ _RANK0 = re.compile(r"rank 0 \(pid (\d+)\)")
 
 
 def launch(n: int, args: Sequence[str], launcher_args: Sequence[str] = ()) -> int:
-    """Run `specdec ARGS` on `n` local ranks with `mlx.launch` (ring backend over loopback;
-    `launcher_args` go to mlx.launch, e.g. `--hostfile`). Passes the output through and
+    """Run `specdec ARGS` on `n` local ranks with `mlx.launch` (ring backend over loopback
+    unless `launcher_args`, which go to mlx.launch, name another: `--backend=mpi`; or give
+    hosts: `--hostfile=FILE`). Passes the output through and
     returns non-zero when any rank failed (mlx.launch itself exits 0 then)."""
     exe = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
-    cmd = [exe if os.path.exists(exe) else "mlx.launch", "--backend", "ring"]
+    cmd = [exe if os.path.exists(exe) else "mlx.launch"]
+    if not any(a.startswith("--backend") for a in launcher_args):
+        cmd += ["--backend", "ring"]  # works everywhere; e.g. --backend=mpi where present
     if not any(a in ("--hosts", "--hostfile") or a.startswith("--host")
                for a in launcher_args):
         cmd += ["-n", str(n)]
