@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stats", action="store_true", help="print a JSON stats line to stderr")
+    g.add_argument("--think", action="store_true",
+                   help="think before the answer (a chat template with a think block): the "
+                        "thinking goes to stderr, the (constrained) answer to stdout")
+    g.add_argument("--max-thinking-tokens", type=int, default=None,
+                   help="thinking budget (implies --think; default: half of --max-tokens, at "
+                        "most 1024); then the end of thinking is forced")
     _add_spec_args(g)
 
     sub.add_parser("info", help="backend, BLAS, model and cache paths")
@@ -173,27 +179,41 @@ EXIT_INCOMPLETE = 3  # `generate`: constrained output cut by --max-tokens (print
 def cmd_generate(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
+    from .reasoning import split_reasoning
+
     constraint = _constraint(args)
     engine = build_engine(args.model, args)
     msgs = _messages(args)
-    if msgs is not None:
+    think = args.think or args.max_thinking_tokens is not None
+    thinking = None
+    if think and msgs is None:
+        raise ValueError("--think needs a chat prompt (--prompt or --messages)")
+    if think:
+        budget = args.max_thinking_tokens
+        ids, thinking = engine.chat_prompt_thinking(
+            msgs, budget=min(1024, args.max_tokens // 2) if budget is None else budget)
+    elif msgs is not None:
         ids = engine.chat_prompt(msgs, constrained=constraint is not None)
     else:
         ids = engine.encode(args.raw_prompt, raw=True)
     req = engine.prepare(ids, constraint=constraint,
                          sampling=SamplingParams(args.temperature, args.top_p, args.top_k,
                                                  args.seed),
-                         max_tokens=args.max_tokens, stop=args.stop)
+                         max_tokens=args.max_tokens, stop=args.stop, thinking=thinking)
     result = engine.generate(req)
-    print(result.text)
+    if thinking is not None:
+        reasoning, answer = split_reasoning(result.text, thinking)
+        print(reasoning, file=sys.stderr)
+        print(answer or "")
+    else:
+        print(result.text)
     if args.stats:
         line = {"finish_reason": result.finish_reason, **result.stats.as_dict()}
         if result.warnings:
             line["warnings"] = list(result.warnings)
         print(json.dumps(line), file=sys.stderr)
-    grammar = engine.compiled(req)
-    if grammar is not None and result.finish_reason == "length":
-        m = grammar.matcher()
+    if req.constraint is not None and result.finish_reason == "length":
+        m = engine.matcher(req)
         for t in result.tokens:
             m.consume_token(t)
         if not m.is_accepting():

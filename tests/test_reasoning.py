@@ -325,3 +325,24 @@ def test_stop_strings_apply_to_the_answer_only(models):
     r2, a2 = split_reasoning(got.text, thinking)
     assert r2 == reasoning and stop in r2  # not cut inside the thinking
     assert a2 == answer[:answer.index('"age"')] and got.finish_reason == "stop"
+
+
+def test_the_cli_thinks_to_stderr_and_answers_to_stdout(models, tmp_path):
+    import subprocess
+    import sys
+
+    target, _ = models["r1"]
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    r = subprocess.run([sys.executable, "-m", "specdec", "generate", "--model", str(target.path),
+                        "--draft-model", "none", "--prompt", MESSAGES[0]["content"],
+                        "--json-schema", str(schema), "--max-tokens", str(MAX_TOKENS),
+                        "--max-thinking-tokens", "6"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), SCHEMA)
+    assert "</think>" not in r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "specdec", "generate", "--model", str(target.path),
+                        "--raw-prompt", "x", "--think"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "--think needs a chat prompt" in r.stderr
