@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from .core import DecodeState, prefill_arrivals, run_round
 from .decode import FinishReason, TokenId
 from .speculative import SpecStats
@@ -188,6 +190,15 @@ class Scheduler:
 
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._rounds()
+        finally:
+            # MLX keeps per-thread streams and a compile cache; released any later (at thread
+            # exit, while the interpreter may be finalizing) they abort the process. MLX asks
+            # every thread that used it to release them itself.
+            mx.clear_streams()
+
+    def _rounds(self) -> None:
         while True:
             with self._cv:
                 while not self._stop and not self._waiting and not self._active:

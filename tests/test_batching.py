@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -241,3 +242,21 @@ def test_arrivals_prefilled_together_equal_each_prefilled_alone(models, compiler
         for g, s in zip(got, states):
             g += s.new_tokens
     assert [(g, s.finish) for g, s in zip(got, states)] == want
+
+
+def test_the_scheduler_thread_releases_its_mlx_streams_when_it_stops(models, monkeypatch):
+    # MLX keeps streams and a compile cache per thread; left to the thread's exit they can
+    # abort the process while the interpreter finalizes (a server's SIGTERM then exits -6).
+    from specdec.scheduler import Scheduler
+
+    released: list[str] = []
+    real = mx.clear_streams
+
+    def clear_streams() -> None:
+        released.append(threading.current_thread().name)
+        real()
+
+    monkeypatch.setattr(mx, "clear_streams", clear_streams)
+    sched = Scheduler(models, max_batch=2, max_queue=0)
+    sched.stop(wait_s=10)
+    assert released == ["specdec-scheduler"]

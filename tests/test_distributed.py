@@ -178,5 +178,6 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(dirs):
     s.proc.send_signal(signal.SIGTERM)
     t.join(timeout=90)
     assert result == {"status": 200, "n": 1500}, (result, s.log()[-2000:])
-    assert s.proc.wait(timeout=30) == 0
+    rc = s.proc.wait(timeout=30)
     s.stop()
+    assert rc == 0, s.log()[-3000:]
