@@ -106,6 +106,11 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-min-prob", type=float, default=0.3,
                    help="end a round's drafting when the draft model gives its pick less than "
                         "this probability (0: always draft k tokens)")
+    p.add_argument("--draft-max-batch", default="auto",
+                   help="run the draft model in batched rounds only while at most this many "
+                        "requests draft; larger rounds propose grammar-forced and looked-up "
+                        "tokens only ('auto': 4 on the CPU backend, no limit on a GPU; "
+                        "'none': no limit)")
     p.add_argument("--no-lookup", action="store_true",
                    help="do not propose tokens copied from the prompt (n-gram lookup)")
     p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
@@ -139,7 +144,15 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
         draft = load(name)
     spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting,
                       lookup=not args.no_lookup, draft_min_prob=args.draft_min_prob)
-    return Engine(target, draft, spec, jump_forward=not args.no_jump_forward)
+    limit = args.draft_max_batch
+    if limit not in ("auto", "none"):
+        try:
+            limit = int(limit)
+        except ValueError:
+            raise SystemExit(f"specdec: error: --draft-max-batch {limit!r}: an integer, "
+                             "'auto' or 'none'")
+    return Engine(target, draft, spec, jump_forward=not args.no_jump_forward,
+                  draft_max_batch=None if limit == "none" else limit)
 
 
 def _constraint(args: argparse.Namespace) -> Any:

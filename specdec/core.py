@@ -57,12 +57,17 @@ class Models:
         target: mlx-lm model; vocab_size: its logits width V.
         draft: a model with the target's token ids (may be the target), or None.
         draft_vocab_size: the draft's logits width (<= V).
+        draft_max_batch: the draft model runs in rounds where at most this many requests
+            would draft (None: any number); a larger round proposes grammar-forced and
+            looked-up tokens only. Where the target's forward is compute-bound (a CPU), a
+            large batch's extra verify rows and draft steps cost more than they save.
     """
 
     target: nn.Module
     vocab_size: int
     draft: nn.Module | None = None
     draft_vocab_size: int = 0
+    draft_max_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -342,12 +347,19 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
     out: list[tuple[list[TokenId], list[str], int]] = [([], [], 0)] * len(live)
     gens: dict[int, Generator] = {}
     asks: dict[int, tuple[str, object]] = {}
+    proposing = [s for s in live if s.spec is not None and s.max_tokens - s.emitted > 1]
+    with_draft = models.draft_max_batch is None or \
+        sum(bool(s.d_cache) for s in proposing) <= models.draft_max_batch
     for i, s in enumerate(live):
         if s.spec is None or s.max_tokens - s.emitted <= 1:
             continue
         if s.index is not None:
             s.index.extend(s.seq[len(s.index.tokens):])
-        draft = models.draft if s.d_cache else None
+        # Left out, the draft cache catches up with the next draft forward (it feeds what
+        # the cache lacks).
+        draft = models.draft if s.d_cache and with_draft else None
+        if s.d_cache and not with_draft:
+            s.stats.draft_load_skips += 1
         # Batched, no forced/looked-up run-on past k (see `draft_steps`).
         gens[i] = draft_steps(draft, s.d_cache, s.seq, s.max_tokens - s.emitted - 1, s.matcher,
                               s.params, s.spec, s.stats, set(s.eos), models.vocab_size,

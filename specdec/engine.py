@@ -20,12 +20,17 @@ from .chat import render_chat, render_thinking
 from .core import DecodeState, Models, decode_rounds, new_state
 from .decode import FinishReason, PromptKVCache, StepTimings, TokenId
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
-from .models import LoadedModel
+from .models import LoadedModel, gpu_backend
 from .reasoning import SEPARATOR, Thinking, ThinkingMatcher, marker_ids
 from .sampling import SamplingParams
 from .speculative import DraftConfigError, SpecConfig, SpecStats
 
 DEFAULT_MAX_TOKENS = 256
+# Batched rounds on the CPU backend run the draft model up to this many drafting requests:
+# measured with the embedded model and its draft on 2 cores (bench/test_server_load.py), the
+# draft model pays +2% at 2-4 requests and costs 3% at 6, 6% at 8 and 10% at 16, where the
+# fp32 forward is compute-bound and forced/looked-up proposals already fill the verify rows.
+CPU_DRAFT_MAX_BATCH = 4
 
 
 class RequestError(ValueError):
@@ -133,14 +138,25 @@ class Engine:
         spec: default speculative settings for requests.
         jump_forward: with no draft, run constrained requests through the speculative loop
             proposing grammar-forced tokens only (a run of forced tokens costs one forward).
+        draft_max_batch: batched rounds run the draft model only while at most this many
+            requests would draft (`core.Models.draft_max_batch`); "auto": 4 on the CPU
+            backend (measured crossover there), no limit on a GPU; None: no limit.
     Raises:
         DraftConfigError: an incompatible draft.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
-                 spec: SpecConfig = SpecConfig(), jump_forward: bool = True) -> None:
+                 spec: SpecConfig = SpecConfig(), jump_forward: bool = True,
+                 draft_max_batch: int | None | Literal["auto"] = "auto") -> None:
         if draft is not None:
             check_draft(target, draft)
+        if draft_max_batch == "auto":
+            draft_max_batch = None if gpu_backend() else CPU_DRAFT_MAX_BATCH
+        if draft_max_batch is not None and (not isinstance(draft_max_batch, int)
+                                            or draft_max_batch < 0):
+            raise DraftConfigError(f"draft_max_batch={draft_max_batch!r}: must be an integer "
+                                   ">= 0 or None")
+        self.draft_max_batch = draft_max_batch
         self.target = target
         self.draft = draft
         self.default_spec = spec
@@ -357,7 +373,7 @@ class Engine:
         """The models requests decode with (for `core` and the scheduler)."""
         d = self.draft
         return Models(self.target.model, self.target.vocab_size, d.model if d else None,
-                      d.vocab_size if d else 0)
+                      d.vocab_size if d else 0, self.draft_max_batch)
 
     def new_state(self, req: Request, stats: SpecStats | None = None) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""

@@ -205,6 +205,8 @@ class Slab:
                 self.cap = c
                 return
             s = self.slots
+            if need_s <= s and cap <= self.cap:
+                return  # (no eval: a caller's pending writes stay queued with its forward)
             if need_s > s:  # more requests than slots: double
                 add = max(need_s - s, s)
                 self.keys = [mx.concatenate([k, mx.zeros((add, *k.shape[1:]), k.dtype)])

@@ -97,6 +97,8 @@ class SpecStats(StepTimings):
         forced, looked_up, drafted: proposals by source (grammar-forced, prompt lookup,
             draft model); `*_accepted`: how many of each the target accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
+        draft_load_skips: rounds in which the draft model was left out because the batch
+            was larger than `Models.draft_max_batch`.
         draft_s, verify_s: time in draft and verify phases.
         spec_off: why a request that asked for speculation decodes plainly, or the draft
             model is left out ("" when neither): a cache kind that cannot be trimmed exactly.
@@ -112,6 +114,7 @@ class SpecStats(StepTimings):
     drafted: int = 0
     drafted_accepted: int = 0
     grammar_cuts: int = 0
+    draft_load_skips: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     spec_off: str = ""
