@@ -25,7 +25,7 @@ REQUIRED = (
     "server_tok_s_c4", "server_tok_s_c16", "server_c8_over_c1", "server_p99_latency_c8_over_c1",
     "batched_spec_over_batched_plain_c8", "ours_constrained_c8_over_mlxlm_unconstrained_c8",
     "load_requests", "load_5xx", "load_lost", "load_rss_growth_mb",
-    "sharded2_over_single_tok_s", "sharded2_broadcast_ms_per_round",
+    "sharded2_over_single_tok_s", "sharded2_broadcast_ms_per_round", "draft_left_out_over_kept_c8",
 )
 
 

@@ -183,3 +183,28 @@ def test_ours_constrained_over_mlxlm_unconstrained_c8(benchmark, server, engine)
         benchmark.pedantic(run_all, rounds=1, iterations=1)
     finally:
         peer.stop()
+
+
+def test_draft_left_out_under_load_c8(benchmark, server):
+    """The default leaves the draft model out of rounds with more than --draft-max-batch
+    drafting requests (4 on the CPU backend): 8 clients, structured, against a server that
+    keeps it in every round (--draft-max-batch none), arms interleaved."""
+    kept = Server("--max-batch", str(MAX_BATCH), "--draft-max-batch", "none")
+    warm(kept.client())
+    rounds = 2 if QUICK else 3
+    try:
+        def run_all() -> None:
+            ratios = []
+            for r in range(rounds):
+                arms = [("default", server), ("kept", kept)]
+                got = {name: load(s.client(), 8, PASSES, True)[0]
+                       for name, s in (arms if r % 2 == 0 else arms[::-1])}
+                ratios.append(got["default"] / got["kept"])
+            results.add("draft_left_out_over_kept_c8", statistics.median(ratios), "x",
+                        f"8 clients, structured, {8 * N_CASES * PASSES} requests per arm, "
+                        f"median of {rounds} interleaved rounds; default --draft-max-batch "
+                        "against none")
+
+        benchmark.pedantic(run_all, rounds=1, iterations=1)
+    finally:
+        kept.stop()

@@ -26,10 +26,11 @@ from .sampling import SamplingParams
 from .speculative import DraftConfigError, SpecConfig, SpecStats
 
 DEFAULT_MAX_TOKENS = 256
-# Batched rounds on the CPU backend run the draft model up to this many drafting requests:
-# measured with the embedded model and its draft on 2 cores (bench/test_server_load.py), the
-# draft model pays +2% at 2-4 requests and costs 3% at 6, 6% at 8 and 10% at 16, where the
-# fp32 forward is compute-bound and forced/looked-up proposals already fill the verify rows.
+# Batched rounds on the CPU backend run the draft model up to this many drafting requests.
+# Measured with the embedded model and its draft on 2 cores (the six JSON workloads decoded
+# together in-process), the draft model pays +2% at 2-4 requests and costs 3% at 6, 6% at 8
+# and 10% at 16, where the fp32 forward is compute-bound and forced and looked-up proposals
+# already fill the verify rows; bench row `draft_left_out_over_kept_c8` checks it at 8.
 CPU_DRAFT_MAX_BATCH = 4
 
 
