@@ -5,12 +5,13 @@ proposals, or one token when decoding plainly, or a prefill chunk) and its own K
 weight matmuls (q/k/v/o projections, MLP, head) run once over all rows concatenated.
 
 Attention: a request's cache is a slot of its model's `Slab` (one keys and one values array
-per layer for all requests, `make_cache`). Short segments (decode and verify rows) write
-their new keys/values with one scatter per layer and attend in one masked call over the
-slab's slot range, rows padded to the longest segment; the mask gives padded and foreign
-positions -inf scores and so zero weight. Long segments (prefill chunks), and caches that are
-not slab slots, take RoPE, the cache update and attention per request with exactly the
-shapes they would have alone.
+per layer for all requests, `make_cache`). Short segments (decode and verify rows) take
+RoPE and write their new keys/values over their real rows, each row at its own position (one
+scatter per layer), and attend in one masked call per group of similar-length segments over
+those requests' slots, rows padded to the group's longest segment; the mask gives padded and
+foreign positions finfo.min scores and so zero weight. Long segments (prefill chunks), and
+caches that are not slab slots, take RoPE, the cache update and attention per request with
+exactly the shapes they would have alone.
 
 Batch invariance: a matmul computes each output row from that row alone on the reference
 BLAS, its reductions run in a fixed order over the reduced axis and zero-weighted positions
@@ -356,72 +357,95 @@ def _slab_segments(segments: Sequence[tuple[Sequence[int], list]]) -> Slab | Non
     return slab
 
 
+# A group of segments attending in one call costs about this many extra score elements (its
+# own gathers, mask and attention operations per layer) beyond the elements it computes.
+GROUP_OVERHEAD = 4096
+
+
+def _groups(lens: Sequence[int], ends: Sequence[int], n_heads: int) -> list[list[int]]:
+    """Split segments into groups that attend in one call each: rows are padded to the
+    group's longest segment and keys to its furthest end, and every padded score costs an
+    exp in the softmax, so one long segment (a run of forced tokens) should not widen all
+    the others. Groups are runs of segments sorted by length; the split minimizes score
+    elements plus `GROUP_OVERHEAD` per group (exact, by dynamic programming)."""
+    order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
+    n = len(order)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        span = 0
+        for i in range(j, 0, -1):  # group order[i-1:j]
+            span = max(span, ends[order[i - 1]])
+            c = best[i - 1] + n_heads * (j - i + 1) * lens[order[j - 1]] * span + GROUP_OVERHEAD
+            if c < best[j]:
+                best[j], cut[j] = c, i - 1
+    groups, j = [], n
+    while j > 0:
+        groups.append(sorted(order[cut[j]:j], key=lambda i: i))
+        j = cut[j]
+    return groups[::-1]
+
+
 def _attend_slab(inner: nn.Module, h: mx.array, segments, slab: Slab) -> mx.array:
-    """Every layer over all segments, attention batched over the slab's slot range: one
-    write of the new keys/values, one masked attention call per layer. Rows are padded to the
-    longest segment and slots not in this round are dummy rows; masking (-inf scores, zero
-    weights) keeps each request's result equal to its attention alone on the reference BLAS
-    (`tests/test_batching.py`)."""
+    """Every layer over all segments: RoPE and the keys/values write over the real rows
+    (each row at its own position), attention in one masked call per group of segments of
+    similar length (`_groups`) over the group's slots. A group's rows are padded to its
+    longest segment (a padded row repeats the segment's last row) and its keys to its
+    furthest end; masking (finfo.min scores, zero weights) keeps each request's result
+    equal to its attention alone on the reference BLAS (`tests/test_batching.py`)."""
     lens = [len(t) for t, _ in segments]
-    tm = max(lens)
     slots = [c[0].slot.i for _, c in segments]
     offs = [c[0].offset for _, c in segments]
-    lo, hi = min(slots), max(slots) + 1
-    bq = hi - lo
+    ends = [o + n for o, n in zip(offs, lens)]
     a0 = inner.layers[0].self_attn
     n_heads, kv_heads = a0.n_heads, a0.n_kv_heads
     k_dim = a0.k_proj.weight.shape[0] // kv_heads
     v_dim = a0.v_proj.weight.shape[0] // kv_heads
-    slab.ensure(max(offs) + tm, kv_heads, k_dim, v_dim, h.dtype)
+    slab.ensure(max(ends), kv_heads, k_dim, v_dim, h.dtype)
     cap = slab.cap
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    row_of = {s: b for b, s in enumerate(slots)}
-    # Query rows (bq, tm): a segment's rows (padding repeats its last), dummy rows for slots
-    # not in the round (row 0, attending to their position 0 only).
-    q_rows, q_off = [], []
-    for j in range(bq):
-        b = row_of.get(lo + j)
-        q_rows += [0] * tm if b is None else [starts[b] + min(t, lens[b] - 1)
-                                              for t in range(tm)]
-        q_off.append(0 if b is None else offs[b])
-    kv_rows = [starts[b] + min(t, lens[b] - 1) for b in range(len(lens)) for t in range(tm)]
-    writes = [(s * kv_heads + hh) * cap + o + t
-              for s, o in zip(slots, offs) for hh in range(kv_heads) for t in range(tm)]
-    span = max(o + tm for o in offs)
-    kpos = np.arange(span)[None, None, :]
-    qpos = (np.array(q_off)[:, None] + np.arange(tm)[None, :])[:, :, None]
-    allowed = kpos <= qpos
-    for j in range(bq):
-        if lo + j not in row_of:
-            allowed[j] = kpos[0] == 0
-    mask = mx.array(allowed[:, None])  # (bq, 1, tm, span)
-    back = mx.array([(s - lo) * tm + t for s, n in zip(slots, lens) for t in range(n)])
-    q_rows_a, kv_rows_a = mx.array(q_rows), mx.array(kv_rows)
-    q_off_a, kv_off_a = mx.array(q_off), mx.array(offs)
-    writes_a = mx.array(writes)
-    b = len(lens)
+    n_rows = starts[-1]
+    pos = mx.array([o + t for o, n in zip(offs, lens) for t in range(n)])  # (rows,)
+    writes = mx.array([(s * kv_heads + hh) * cap + o + t for s, o, n in zip(slots, offs, lens)
+                       for t in range(n) for hh in range(kv_heads)])  # row-major (row, head)
+    plans, where, at = [], [0] * len(lens), 0  # where[i]: segment i's first output row
+    for g in _groups(lens, ends, n_heads):
+        tm, span = max(lens[i] for i in g), max(ends[i] for i in g)
+        gs = [slots[i] for i in g]
+        lo = min(gs)
+        kv_at = slice(lo, lo + len(g)) if gs == list(range(lo, lo + len(g))) else mx.array(gs)
+        q_rows = mx.array([starts[i] + min(t, lens[i] - 1) for i in g for t in range(tm)])
+        qpos = np.array([[offs[i] + min(t, lens[i] - 1) for t in range(tm)] for i in g])
+        mask = mx.array((np.arange(span)[None, None, :] <= qpos[:, :, None])[:, None])
+        for j, i in enumerate(g):
+            where[i] = at + j * tm
+        plans.append((len(g), tm, span, kv_at, q_rows, mask))
+        at += len(g) * tm
+    back = None if len(plans) == 1 and at == n_rows else \
+        mx.array([where[i] + t for i, n in enumerate(lens) for t in range(n)])
     for li, layer in enumerate(inner.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k, v = a.q_proj(x)[0], a.k_proj(x)[0], a.v_proj(x)[0]  # (N, *)
-        q = q[q_rows_a].reshape(bq, tm, n_heads, k_dim).transpose(0, 2, 1, 3)
-        k = k[kv_rows_a].reshape(b, tm, kv_heads, k_dim).transpose(0, 2, 1, 3)
-        v = v[kv_rows_a].reshape(b, tm, kv_heads, v_dim).transpose(0, 2, 1, 3)
-        q = a.rope(q, offset=q_off_a)
-        k = a.rope(k, offset=kv_off_a)
+        q, k, v = a.q_proj(x)[0], a.k_proj(x)[0], a.v_proj(x)[0]  # (rows, *)
+        q = a.rope(q.reshape(n_rows, n_heads, 1, k_dim), offset=pos)
+        k = a.rope(k.reshape(n_rows, kv_heads, 1, k_dim), offset=pos)
         kf = slab.keys[li].reshape(-1, k_dim)
         vf = slab.values[li].reshape(-1, v_dim)
-        kf[writes_a] = k.reshape(-1, k_dim)
-        vf[writes_a] = v.reshape(-1, v_dim)
+        kf[writes] = k.reshape(-1, k_dim)
+        vf[writes] = v.reshape(-1, v_dim)
         slab.keys[li] = kf.reshape(-1, kv_heads, cap, k_dim)
         slab.values[li] = vf.reshape(-1, kv_heads, cap, v_dim)
-        o = mx.fast.scaled_dot_product_attention(
-            q, slab.keys[li][lo:hi, :, :span], slab.values[li][lo:hi, :, :span],
-            scale=a.scale, mask=mask)
-        o = o.transpose(0, 2, 1, 3).reshape(bq * tm, -1)[back][None]
-        h = h + a.o_proj(o)
+        outs = []
+        for nb, tm, span, kv_at, q_rows, mask in plans:
+            qg = q[q_rows].reshape(nb, tm, n_heads, k_dim).transpose(0, 2, 1, 3)
+            keys, values = slab.keys[li][kv_at, :, :span], slab.values[li][kv_at, :, :span]
+            o = mx.fast.scaled_dot_product_attention(qg, keys, values, scale=a.scale,
+                                                     mask=mask)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(nb * tm, -1))
+        o = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        h = h + a.o_proj((o if back is None else o[back])[None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     for (toks, cache) in segments:
         for c in cache:

@@ -11,6 +11,7 @@ comparison finds differences.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -175,6 +176,59 @@ def test_ragged_forward_is_bitwise_batch_invariant_on_the_reference_blas(embedde
     tally.NOTES.append(f"ragged forward, embedded model, reference BLAS: {rows} rows differ "
                        f"(max |diff| {worst:g})")
     assert (rows, worst) == (0, 0.0)
+
+
+def test_attention_groups_split_by_length_at_the_least_padded_cost():
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randrange(1, 7)
+        lens = [rng.choice([1, 1, 2, 3, rng.randrange(4, 17)]) for _ in range(n)]
+        ends = [rng.randrange(1, 300) + m for m in lens]
+        groups = ragged._groups(lens, ends, 9)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+
+        def cost(gs):
+            return sum(9 * len(g) * max(lens[i] for i in g) * max(ends[i] for i in g)
+                       + ragged.GROUP_OVERHEAD for g in gs)
+
+        # Brute force over every split of the length order into runs: none is cheaper.
+        order = sorted(range(n), key=lambda i: (lens[i], i))
+        best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, n))])
+                   for r in range(n) for cuts in itertools.combinations(range(1, n), r))
+        assert cost(groups) == best
+    # One long run among short rows gets a group of its own; equal rows share one.
+    assert ragged._groups([1, 9, 1, 1], [60, 60, 60, 60], 9) == [[0, 2, 3], [1]]
+    assert ragged._groups([2, 2, 2], [50, 70, 60], 9) == [[0, 1, 2]]
+
+
+def test_grouped_attention_over_gathered_slots_is_bitwise_invariant(embedded):
+    """Long and short segments interleaved over the slab's slots: attention splits into
+    groups whose slots are not contiguous (gathered); every request's logits still equal its
+    own forward alone (mlx-lm's), bit for bit on the reference BLAS."""
+    assert blas.active() == "reference"
+    model = embedded.model
+    rng = random.Random(1)
+    lens = [1, 12, 2, 1, 9, 1]
+    prompts = [[rng.randrange(300, 9000) for _ in range(rng.randrange(5, 30))] for _ in lens]
+    steps = [[rng.randrange(300, 9000) for _ in range(n)] for n in lens]
+    want = []
+    for p, st in zip(prompts, steps):
+        c = make_prompt_cache(model)
+        model(mx.array([p]), cache=c)
+        want.append(np.array(model(mx.array([st]), cache=c)[0]))
+    caches = [ragged.make_cache(model) for _ in lens]
+    for p, c in zip(prompts, caches):
+        ragged.forward(model, [(p, c)], rows=[0])
+    slots = [c[0].slot.i for c in caches]
+    groups = ragged._groups(lens, [len(p) + n for p, n in zip(prompts, lens)],
+                            model.args.num_attention_heads)
+    gathered = [g for g in groups
+                if sorted(slots[i] for i in g) != list(range(min(slots[i] for i in g),
+                                                             min(slots[i] for i in g) + len(g)))]
+    assert len(groups) >= 2 and gathered, (groups, slots)  # the layout this test is about
+    got = ragged.forward(model, list(zip(steps, caches)))
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a, np.array(b)), f"segment {i} (len {lens[i]}) differs"
 
 
 @pytest.mark.skipif(blas.openblas_path() is None,
