@@ -360,10 +360,12 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
         draft = models.draft if s.d_cache and with_draft else None
         if s.d_cache and not with_draft:
             s.stats.draft_load_skips += 1
+        # Batched, no forced/looked-up run-on past k (see `draft_steps`).
         gens[i] = draft_steps(draft, s.d_cache, s.seq, s.max_tokens - s.emitted - 1, s.matcher,
                               s.params, s.spec, s.stats, set(s.eos), models.vocab_size,
                               models.draft_vocab_size if draft is not None
-                              else models.vocab_size, s.emitted, s.index)
+                              else models.vocab_size, s.emitted, s.index,
+                              run_on=len(live) == 1)
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:

@@ -182,7 +182,7 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
 def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
            matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
-           index: NgramIndex | None = None
+           index: NgramIndex | None = None, run_on: bool = True
            ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
@@ -197,9 +197,10 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     if kk <= 0:
         return props, sources, 0
     # The draft model proposes up to k per round; forced and looked-up tokens (no draft step,
-    # and usually accepted) may run on to 2k, capped by the token budget. In a batched round
-    # too: a long segment widens only its own attention group (`ragged._groups`).
-    k_model, kk = min(spec.k, kk), min(spec.cheap_k, kk)
+    # and usually accepted) may run on to 2k, capped by the token budget.
+    # run_on=False (a batched round: past ~16 rows every verify row costs compute that the
+    # other requests wait for, while a run that stops at k finishes next round): k in all.
+    k_model, kk = min(spec.k, kk), min(spec.cheap_k if run_on else spec.k, kk)
     clone = None
     if matcher is not None and (spec.draft_masking or spec.forced_drafting or index):
         clone = matcher.deep_copy()
