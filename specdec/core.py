@@ -2,7 +2,7 @@
 
 A round over a set of requests:
 1. Propose, per request: grammar-forced tokens, prompt lookup, the draft model (the
-   proposers of `speculative._draft`); a plain request (`spec is None`) proposes nothing.
+   proposers of `speculative.draft_steps`); a plain request (`spec is None`) proposes nothing.
 2. Verify: one target forward over every request's rows ([last token, proposals...];
    ragged: each request its own length, its own KV cache; `ragged.forward`), queued
    asynchronously while the host fills every request's mask rows on a matcher copy
@@ -365,7 +365,8 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
                               s.params, s.spec, s.stats, set(s.eos), models.vocab_size,
                               models.draft_vocab_size if draft is not None
                               else models.vocab_size, s.emitted, s.index,
-                              run_on=len(live) == 1)
+                              run_on=len(live) == 1,
+                              space=getattr(models.draft, "target_ids", None))
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:
@@ -379,7 +380,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
         fwd = [i for i in gens if asks[i][0] == "forward"]
         if fwd:
             logits = ragged.forward(models.draft, [(asks[i][1], live[i].d_cache) for i in fwd],
-                                    rows=[1] * len(fwd))
+                                    rows=[1] * len(fwd), mapped=False)
             for i, x in zip(fwd, logits):
                 replies[i] = x[-1]
         evals = [a for i in gens if asks[i][0] == "eval" for a in asks[i][1]]

@@ -178,6 +178,7 @@ class MappedDraft(nn.Module):
         self._from_draft = mx.array(np.where(to_draft == unk, unk, to_draft).astype(np.int32))
         self._unk = unk
         self._to_draft_np = to_draft
+        self.target_ids = np.asarray(draft_to_target, dtype=np.int64)  # draft id -> target id
         self.freeze()
 
     @property
@@ -201,6 +202,11 @@ class MappedDraft(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         return self.map_logits(self.inner(self._to_draft[inputs], cache=cache))  # (B, T, V)
+
+    def raw(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        """The inner model's own logits (B, T, Vd + 1) for target-id inputs: draft id i is
+        target id `target_ids[i]`; the last column (UNK) is no token."""
+        return self.inner(self._to_draft[inputs], cache=cache)
 
 
 def _shard(module: Any, config: dict[str, Any], group: Any) -> None:

@@ -73,7 +73,7 @@ def supports(model: nn.Module) -> bool:
 
 
 def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
-            rows: Sequence[int] | None = None) -> list[mx.array | None]:
+            rows: Sequence[int] | None = None, mapped: bool = True) -> list[mx.array | None]:
     """Logits for every request's rows, in one pass.
 
     Args:
@@ -82,6 +82,7 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
             each cache is advanced by its tokens, as `model(tokens, cache)` would.
         rows: how many trailing rows of each segment need logits (default: all); 0 (a
             prefill chunk) skips the head for that segment.
+        mapped: False: a pruned-vocabulary draft's own logits (`raw`), not target-width.
     Returns:
         one (rows_i, V) logits array per segment (None where rows_i is 0).
     """
@@ -89,11 +90,12 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
     base = _base(model)
     if base is not model and supports(base):
         out = forward(base, [(model.map_ids(t), c) for t, c in segments], rows)
-        return [None if x is None else model.map_logits(x) for x in out]
+        return [x if x is None or not mapped else model.map_logits(x) for x in out]
     if not supports(model):
         out: list[mx.array | None] = []
+        call = model if mapped else getattr(model, "raw", model)
         for (toks, cache), r in zip(segments, rows):
-            logits = model(mx.array([list(toks)], dtype=mx.int32), cache=cache)[0]
+            logits = call(mx.array([list(toks)], dtype=mx.int32), cache=cache)[0]
             out.append(logits[len(toks) - r:] if r else None)
             if not r:
                 mx.eval([c.state for c in cache])

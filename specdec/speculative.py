@@ -182,7 +182,8 @@ def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequen
 def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
            matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
-           index: NgramIndex | None = None, run_on: bool = True
+           index: NgramIndex | None = None, run_on: bool = True,
+           space: np.ndarray | None = None
            ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
@@ -191,6 +192,11 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     the draft cache holds). The draft cache holds a prefix of `seq`; the tokens after it are
     fed with the next draft forward. With masking off an illegal proposal puts the clone in
     error, so drafting stops.
+
+    `space`: the draft's logits (the replies to "forward") are over its own pruned
+    vocabulary, draft id i being target id space[i] (a last UNK column is ignored); the mask
+    and the (seed, position) noise are read at those ids, so the pick is the one over
+    target-width logits (-inf off the draft's vocabulary) at a sixth of the width.
     """
     props: list[TokenId] = []
     sources: list[str] = []
@@ -231,13 +237,18 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
         elif draft is None or j >= k_model:
             break  # no model (or its share is spent): stop at the first open position
         else:
-            logits = yield ("forward", feed)  # (Vd,)
+            logits = yield ("forward", feed)  # (Vd,), or (len(space) + 1,) with `space`
             fed, feed = len(props), []
-            if clone is not None and spec.draft_masking:
+            if space is not None:
+                logits = logits[:len(space)]
+                if clone is not None and spec.draft_masking:
+                    logits = apply_mask(logits, mx.array(space_mask(row[0], space)))
+            elif clone is not None and spec.draft_masking:
                 logits = apply_mask(logits, unpack_bitmask(mx.array(row[0]), draft_vocab))
             noise = None
             if not params.greedy:
-                noise = mx.array(position_noise(seed, emitted + j, draft_vocab))
+                noise = position_noise(seed, emitted + j, draft_vocab)
+                noise = mx.array(noise if space is None else noise[space])
             choice = pick(logits, params, noise)
             # In one sync: the pick's logit (-inf: every legal token is outside what the
             # draft can propose, e.g. a pruned draft vocabulary; the target decides) and,
@@ -251,7 +262,8 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
                 break
             if p_pick.item() < spec.draft_min_prob:
                 break  # unlikely to be accepted: verify what we have
-            tok, src = int(choice.item()), "drafted"
+            tok = int(choice.item())
+            tok, src = (tok if space is None else int(space[tok])), "drafted"
         props.append(tok)
         sources.append(src)
         setattr(stats, src, getattr(stats, src) + 1)
@@ -268,21 +280,12 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     return props, sources, fed
 
 
-def _draft(draft: nn.Module | None, d_cache: list, *args: Any, **kwargs: Any
-           ) -> tuple[list[TokenId], list[str], int]:
-    """`draft_steps` for one request, its draft forwards run one at a time."""
-    gen = draft_steps(draft, d_cache, *args, **kwargs)
-    reply = None
-    while True:
-        try:
-            what, arg = gen.send(reply)
-        except StopIteration as done:
-            return done.value
-        if what == "forward":
-            reply = draft(mx.array([arg], dtype=mx.int32), cache=d_cache)[0, -1]
-        else:
-            mx.eval(*arg)
-            reply = None
+def space_mask(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Whether a packed mask row allows each of `ids` (bool, like `ids`)."""
+    words = ids >> 5
+    ok = words < row.shape[0]
+    bits = (row[np.minimum(words, row.shape[0] - 1)] >> (ids & 31)) & 1
+    return ok & (bits != 0)
 
 
 def mask_allows(row: np.ndarray, token: TokenId) -> bool:

@@ -5,6 +5,8 @@ the regression scenarios, and the full exactness matrix against plain decoding a
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 import pytest
 
 from bench.workloads import CASES
@@ -12,10 +14,11 @@ from oracle import reference_decode, report
 from specdec.decode import GrammarStateError, decode_steps
 from specdec.engine import Engine
 from specdec.grammar import Constraint
-from specdec.models import LoadedModel
-from specdec.sampling import SamplingParams
+from specdec.models import LoadedModel, MappedDraft
+from specdec.sampling import (SamplingParams, apply_mask, pick, position_noise,
+                              unpack_bitmask)
 from specdec.speculative import (DraftConfigError, SpecConfig, SpecStats, single_allowed,
-                                 speculative_steps)
+                                 space_mask, speculative_steps)
 from tests import tally
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
 
@@ -255,3 +258,27 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
             cuts_on += st.grammar_cuts
     assert not failures, f"cells differing from plain decoding: {failures}"
     assert cuts_on == 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_k=20, seed=3),
+                                    SamplingParams(1.2, top_p=0.7, seed=4)],
+                         ids=["greedy", "top-k", "top-p"])
+def test_pruned_draft_picks_in_its_own_vocabulary_what_target_width_logits_pick(params):
+    # A pruned-vocabulary draft proposes from its own logits (`draft_steps(space=...)`): the
+    # mask and the (seed, position) noise read at its ids must give the same token as the
+    # target-width logits it maps to (-inf off its vocabulary).
+    rng = np.random.default_rng(0)
+    V, Vd = 3000, 700
+    ids = rng.choice(V, Vd, replace=False)
+    draft = MappedDraft(nn.Module(), ids.tolist(), V, Vd)
+    for trial in range(40):
+        raw = mx.array(rng.normal(size=(Vd + 1,)).astype(np.float32) * 3)
+        row = rng.integers(-2**31, 2**31, (V + 31) // 32, dtype=np.int64).astype(np.int32)
+        noise = position_noise(params.seed or 0, trial, V)
+        full = apply_mask(draft.map_logits(raw), unpack_bitmask(mx.array(row), V))
+        want = int(pick(full, params, None if params.greedy else mx.array(noise)).item())
+        own = apply_mask(raw[:Vd], mx.array(space_mask(row, draft.target_ids)))
+        got = pick(own, params, None if params.greedy else mx.array(noise[draft.target_ids]))
+        assert int(draft.target_ids[int(got.item())]) == want, trial
+        assert (space_mask(row, draft.target_ids)
+                == np.array(unpack_bitmask(mx.array(row), V))[draft.target_ids]).all()
