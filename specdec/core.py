@@ -366,7 +366,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
                               models.draft_vocab_size if draft is not None
                               else models.vocab_size, s.emitted, s.index,
                               run_on=len(live) == 1,
-                              space=getattr(models.draft, "target_ids", None))
+                              space=getattr(models.draft, "space", None))
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:
@@ -381,8 +381,9 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
         if fwd:
             logits = ragged.forward(models.draft, [(asks[i][1], live[i].d_cache) for i in fwd],
                                     rows=[1] * len(fwd), mapped=False)
+            own = getattr(models.draft, "own_logits", None)  # a pruned-vocabulary draft
             for i, x in zip(fwd, logits):
-                replies[i] = x[-1]
+                replies[i] = x[-1] if own is None else own(x[-1])
         evals = [a for i in gens if asks[i][0] == "eval" for a in asks[i][1]]
         if evals:
             mx.eval(evals)

@@ -179,6 +179,12 @@ class MappedDraft(nn.Module):
         self._unk = unk
         self._to_draft_np = to_draft
         self.target_ids = np.asarray(draft_to_target, dtype=np.int64)  # draft id -> target id
+        # The draft picks over its own logits in ascending target-id order (`own_logits`):
+        # the order of the target-width row, so ties (argmax takes the first) and every
+        # order-dependent step resolve as they would over target-width logits.
+        order = np.argsort(self.target_ids, kind="stable")
+        self.space = self.target_ids[order]  # target id of each `own_logits` column
+        self._own_order = mx.array(order.astype(np.int32))
         self.freeze()
 
     @property
@@ -202,6 +208,11 @@ class MappedDraft(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         return self.map_logits(self.inner(self._to_draft[inputs], cache=cache))  # (B, T, V)
+
+    def own_logits(self, raw: mx.array) -> mx.array:
+        """`raw` logits (..., Vd + 1) -> the draft's own (..., Vd): column i is target id
+        `space[i]` (ascending); the UNK column is dropped."""
+        return mx.take(raw, self._own_order, axis=-1)
 
     def raw(self, inputs: mx.array, cache: Any = None) -> mx.array:
         """The inner model's own logits (B, T, Vd + 1) for target-id inputs: draft id i is

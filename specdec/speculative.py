@@ -194,9 +194,10 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     error, so drafting stops.
 
     `space`: the draft's logits (the replies to "forward") are over its own pruned
-    vocabulary, draft id i being target id space[i] (a last UNK column is ignored); the mask
-    and the (seed, position) noise are read at those ids, so the pick is the one over
-    target-width logits (-inf off the draft's vocabulary) at a sixth of the width.
+    vocabulary, column i being target id space[i], ascending (`MappedDraft.own_logits`); the
+    mask and the (seed, position) noise are read at those ids, so the pick is the one over
+    target-width logits (-inf off the draft's vocabulary), ties included, at a sixth of the
+    width.
     """
     props: list[TokenId] = []
     sources: list[str] = []
@@ -237,10 +238,9 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
         elif draft is None or j >= k_model:
             break  # no model (or its share is spent): stop at the first open position
         else:
-            logits = yield ("forward", feed)  # (Vd,), or (len(space) + 1,) with `space`
+            logits = yield ("forward", feed)  # (Vd,), or (len(space),) with `space`
             fed, feed = len(props), []
             if space is not None:
-                logits = logits[:len(space)]
                 if clone is not None and spec.draft_masking:
                     logits = apply_mask(logits, mx.array(space_mask(row[0], space)))
             elif clone is not None and spec.draft_masking:
