@@ -1,30 +1,105 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors on the wire: one mapping from `specdec.errors.SpecdecError` to an HTTP status, and
+the two error shapes the APIs answer in (OpenAI's, Anthropic's). Each API module names its
+own fields (`param` maps from the engine's neutral names); nothing here reads message text.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from specdec.errors import SpecdecError
 
-class APIError(Exception):
-    """An error answered to the client with `status` in OpenAI's error shape."""
+STATUS = {"invalid_request": 400, "not_found": 404, "unavailable": 503, "timeout": 504,
+          "internal": 500}
+RETRY_AFTER_S = 1
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code)
+
+class WireError(SpecdecError):
+    """An error found at the HTTP layer or by an API's parser: its status is given and its
+    `param` is already the API's own field name."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status = status
+        self.kind = {404: "not_found", 503: "unavailable", 504: "timeout"}.get(
+            status, "internal" if status >= 500 else "invalid_request")
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> WireError:
+    return WireError(400, message, param=param, code=code)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def status_of(e: SpecdecError) -> int:
+    return e.status if isinstance(e, WireError) else STATUS[e.kind]
+
+
+def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
+    """The API's name for the field at fault (`params`: neutral name -> wire name; a dotted
+    name maps by its first part when it has no entry of its own)."""
+    if e.param is None or isinstance(e, WireError):
+        return e.param
+    if e.param in params:
+        return params[e.param]
+    head, _, rest = e.param.partition(".")
+    return params[head] + ("." + rest if rest else "") if head in params else rest or head
+
+
+def headers_of(e: SpecdecError) -> dict[str, str]:
+    if isinstance(e, WireError):
+        return e.headers
+    return {"Retry-After": str(RETRY_AFTER_S)} if e.code == "queue_full" else {}
+
+
+def message_of(e: SpecdecError) -> str:
+    if e.code == "queue_full":
+        return f"the server is at capacity: {e}; retry after {RETRY_AFTER_S}s"
+    if e.code == "grammar_state":
+        return f"internal error: {e}; no output past that point was emitted"
+    return str(e)
+
+
+# -- OpenAI's shape: {"error": {"message", "type", "param", "code"}} ---------------------------
+OPENAI_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error",
+                "unavailable": "server_error", "timeout": "server_error",
+                "internal": "server_error"}
+
+
+def openai_body(e: SpecdecError, params: Mapping[str, str]) -> dict[str, Any]:
+    kind = "authentication_error" if status_of(e) == 401 else OPENAI_TYPES[e.kind]
+    return {"error": {"message": message_of(e), "type": kind, "param": wire_param(e, params),
+                      "code": None if e.code == "invalid_request" else e.code}}
+
+
+def openai_response(e: SpecdecError, params: Mapping[str, str]) -> JSONResponse:
+    return JSONResponse(openai_body(e, params), status_code=status_of(e), headers=headers_of(e))
+
+
+# -- Anthropic's shape: {"type": "error", "error": {"type", "message"}} ------------------------
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   504: "timeout_error"}
+
+
+def anthropic_body(e: SpecdecError, params: Mapping[str, str]) -> dict[str, Any]:
+    """Anthropic's error object; the field at fault leads the message (its shape has no
+    `param`), and our `code` rides along as an extra key."""
+    status = status_of(e)
+    param = wire_param(e, params)
+    message = message_of(e)
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return {"type": "error", "error": {
+        "type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                    else "invalid_request_error"),
+        "message": message, "code": None if e.code == "invalid_request" else e.code}}
+
+
+def anthropic_response(e: SpecdecError, params: Mapping[str, str]) -> JSONResponse:
+    return JSONResponse(anthropic_body(e, params), status_code=status_of(e),
+                        headers=headers_of(e))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .errors import RequestError
 from .reasoning import Thinking
 
 # Template variables that turn reasoning off in the common families (Qwen3, Granite, ...).
@@ -22,16 +23,22 @@ THINK_OPEN = ("<think>", "<|begin_of_thought|>", "<thinking>", "<reasoning>")
 THINK_CLOSE = ("</think>", "<|end_of_thought|>", "</thinking>", "</reasoning>")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(RequestError):
     """The messages cannot be rendered with this model's chat template."""
+
+    param = "messages"
 
 
 class ReasoningConflictError(ChatTemplateError):
     """A constrained request would start inside a reasoning block."""
 
+    code = "reasoning_conflict"
+
 
 class ThinkingUnsupportedError(ChatTemplateError):
     """Thinking was asked for, and the chat template has no think block."""
+
+    param, code = "thinking", "thinking_unsupported"
 
 
 def think_markers(template: str) -> tuple[str, str] | None:

@@ -16,7 +16,7 @@ Plain decoding is the round with no proposer, so a request decoded alone, plainl
 speculatively or inside any batch emits the same tokens: every path computes each output
 position's logits over the same cache with the same shapes (bitwise on the reference BLAS,
 see `ragged`), masks them with the same grammar state and picks with the same noise.
-New requests join between rounds; their prompt is prefilled in chunks (`prefill_chunk`), so
+New requests join between rounds; their prompt is prefilled in chunks (`prefill_arrivals`), so
 running requests stall for at most one chunk per round. No I/O, no threads: `scheduler.py`
 drives rounds for the server.
 """
@@ -42,6 +42,7 @@ from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex
 from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_noise,
                        unpack_bitmask)
+from .events import TokenLogprob
 from .speculative import SpecConfig, SpecStats, _trim, draft_steps, verify_masks
 
 log = logging.getLogger("specdec")
@@ -68,17 +69,6 @@ class Models:
     draft: nn.Module | None = None
     draft_vocab_size: int = 0
     draft_max_batch: int | None = None
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """An emitted token's log-probability under the distribution it was picked from (the
-    target's logits with the bias, under the grammar mask, at the temperature; before top-k
-    and top-p), and the `top` most likely tokens of that distribution, best first."""
-
-    token: TokenId
-    logprob: float
-    top: tuple[tuple[TokenId, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -133,7 +123,7 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
               eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
               spec: SpecConfig | None = None, matcher: LLMatcher | None = None,
               stats: SpecStats | None = None, logprobs: int | None = None) -> DecodeState:
-    """A request's state with empty caches (prefill with `prefill` or `prefill_chunk`).
+    """A request's state with empty caches (prefill with `prefill` or `prefill_arrivals`).
 
     Raises:
         ValueError: empty prompt, max_tokens < 1, sampling without a seed, a draft vocabulary
@@ -195,12 +185,6 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
     mx.eval([c.state for c in s.t_cache + s.d_cache])
     s.to_prefill = 0
     s.stats.prefill_s += time.perf_counter() - t0
-
-
-def prefill_chunk(models: Models, s: DecodeState, chunk: int = PREFILL_CHUNK,
-                  kv_store: PromptKVCache | None = None) -> None:
-    """Advance a state's prefill by at most `chunk` tokens (a stored prompt: all at once)."""
-    prefill_arrivals(models, [s], chunk, kv_store)
 
 
 def prefill_arrivals(models: Models, states: Sequence[DecodeState],
@@ -445,33 +429,3 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
         d_len = s.d_cache[0].offset
         keep = min(d_len, base + min(fed, accepted))
         _trim(s.d_cache, d_len - keep)
-
-
-def decode_rounds(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
-                  eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
-                  matcher: LLMatcher | None = None, spec: SpecConfig | None = None,
-                  timings: StepTimings | None = None, kv_store: PromptKVCache | None = None
-                  ) -> Generator[TokenId, None, FinishReason]:
-    """One request decoded alone, round by round: yields its tokens (EOS never yielded) and
-    returns the finish reason. `decode_steps` and `speculative_steps` are this generator.
-
-    Raises:
-        GrammarStateError: the matcher errored; nothing past that point is emitted.
-    """
-    stats = timings if isinstance(timings, SpecStats) else SpecStats()
-    s = new_state(models, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
-                  params=params, spec=spec, matcher=matcher, stats=stats)
-    try:
-        prefill(models, s, kv_store)
-        while True:
-            run_round(models, [s])
-            yield from s.new_tokens
-            if s.error is not None:
-                raise s.error
-            if s.finish is not None:
-                return s.finish
-    finally:
-        s.release()
-        if timings is not None and timings is not stats:
-            for name in ("prefill_s", "mask_s", "wait_s", "steps"):
-                setattr(timings, name, getattr(stats, name))

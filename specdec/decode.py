@@ -1,10 +1,6 @@
-"""Plain constrained decoding as a step generator over token ids, and what every decode
-path shares: prompt prefill, the prompt-state store, the grammar error type.
-
-`decode_steps` is the round-based core (`core.py`) with no proposer: one target forward per
-token; the request's llguidance bitmask is filled on the host while the device computes the
-forward pass, then applied on the device, then the sampler picks, then the matcher consumes.
-The generator knows nothing of text, stop strings or HTTP; `engine.py` wraps it.
+"""What every decode path shares: prompt prefill, the prompt-state store, the grammar error
+type, host timings. The decode itself is the round-based core (`core.py`); plain decoding is
+a round with no proposer.
 """
 
 from __future__ import annotations
@@ -22,12 +18,14 @@ from llguidance import LLMatcher
 
 from .sampling import SamplingParams
 
+from .errors import SpecdecError
+
 FinishReason = Literal["stop", "length"]
 TokenId = int
 PREFILL_CHUNK = 512
 
 
-class GrammarStateError(RuntimeError):
+class GrammarStateError(SpecdecError, RuntimeError):
     """The request's matcher entered an error state mid-generation; decoding stops (fail
     closed). An internal fault, not bad input: the grammar compiled and every token fed to it
     was allowed by its own mask.
@@ -43,6 +41,7 @@ class GrammarStateError(RuntimeError):
         where = f" at output token {position}" if position is not None else ""
         first = detail.strip().splitlines()[0] if detail.strip() else ""
         super().__init__(f"{reason}{where}" + (f": {first}" if first else ""))
+        self.code, self.kind = "grammar_state", "internal"
         self.position = position
         self.detail = detail
 
@@ -170,35 +169,3 @@ def check_matcher(matcher: LLMatcher, position: int | None = None) -> None:
     if matcher.is_error():
         raise GrammarStateError("grammar entered an error state", position=position,
                                 detail=matcher.get_error())
-
-
-def decode_steps(model: nn.Module, prompt: Sequence[TokenId], *, vocab_size: int,
-                 eos_token_ids: Sequence[TokenId], max_tokens: int,
-                 matcher: LLMatcher | None = None, params: SamplingParams = SamplingParams(),
-                 timings: StepTimings | None = None, kv_store: PromptKVCache | None = None
-                 ) -> Generator[TokenId, None, FinishReason]:
-    """Yield generated token ids (EOS never yielded); return the finish reason.
-
-    Args:
-        model: mlx-lm model, `model(tokens (1, T), cache) -> (1, T, V)`.
-        prompt: prompt token ids (non-empty).
-        vocab_size: logits width V.
-        eos_token_ids: ids that end the output.
-        max_tokens: most tokens to generate (>= 1).
-        matcher: the request's llguidance matcher (advanced in place), or None.
-        params: sampling parameters; a seed is required when sampling.
-        timings: accumulator for host timings.
-        kv_store: where prefilled prompts are kept for reuse (None: always prefill).
-    Returns:
-        "stop" on EOS or when the grammar is complete, "length" when max_tokens ran out.
-    Raises:
-        GrammarStateError: the matcher errored; no token is emitted past that point.
-    """
-    from .core import Models, decode_rounds
-
-    timings = timings if timings is not None else StepTimings()
-    return (yield from decode_rounds(Models(model, vocab_size), prompt, max_tokens=max_tokens,
-                                     eos_token_ids=eos_token_ids, params=params,
-                                     matcher=matcher, spec=None, timings=timings,
-                                     kv_store=kv_store))
-

@@ -98,8 +98,8 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
     rank 0 stopped; EXIT_LOST_RANK: the group lost a rank)."""
     from .scheduler import Scheduler, Ticket
 
-    sched = Scheduler(engine.models, max_batch=max_batch, max_queue=0, chunk=chunk,
-                      kv_store=engine.kv_store, thread=False)
+    sched = Scheduler(engine.models, engine.new_state, max_batch=max_batch, max_queue=0,
+                      chunk=chunk, kv_store=engine.kv_store, thread=False)
     tickets: dict[int, Ticket] = {}
     log.info("rank %d (pid %d) following rank 0", channel.rank, os.getpid())
     while True:
@@ -111,8 +111,7 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
         if d.stop:
             return 0
         for key, req in d.admit:
-            t = Ticket(start=lambda req=req: engine.new_state(req), text=engine.text_stream(req),
-                       sink=lambda ev: None, request=req, key=key)
+            t = Ticket(req, engine.output(req, lambda ev: None), key=key)
             tickets[key] = t
             sched.admit(t)
         late = [tickets[k] for k in d.late if k in tickets]

@@ -1,29 +1,42 @@
-"""The library surface: a loaded target + its grammar compiler, generating text for requests.
+"""The library surface and the only door: a loaded target + its grammar compiler, owning
+the scheduler that decodes every request.
 
-`Engine.generate` wraps the round-based core (`core.decode_rounds`) with tokenization, stop
-strings, request validation and statistics; `Engine.new_state` and `TextStream` give the
-scheduler the same pieces for batched serving. It holds no HTTP; `server/` adapts it.
+`Engine.prepare` validates a request (`request.GenerateRequest`, or prompt ids), renders it
+through the chat template and compiles one grammar for its whole output; `Engine.submit`
+queues it on the scheduler and returns its typed event stream (`events.RequestStream`);
+`Engine.generate` drains that stream. The CLI, the benchmarks, the server and a sharded
+target's followers all go through it, so stops, logprobs, usage and stats are computed once
+(`output.Output`). It holds no HTTP; `server/` adapts it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+import atexit
 import concurrent.futures
+import dataclasses
 import secrets
-import time
-from collections.abc import Generator, Sequence
-from dataclasses import asdict, dataclass, field
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .chat import render_chat, render_thinking
-from .core import DecodeState, Models, decode_rounds, new_state
-from .decode import FinishReason, PromptKVCache, StepTimings, TokenId
+from .core import DecodeState, Models, new_state
+from .decode import PromptKVCache, TokenId
+from .errors import RequestError, SpecdecError
+from .events import Event, Failed, Finished, GenerationStats, RequestStream
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 from .models import LoadedModel, gpu_backend
-from .reasoning import SEPARATOR, Thinking, ThinkingMatcher, marker_ids
+from .output import Output
+from .reasoning import Thinking, marker_ids
+from .request import GenerateRequest, Message, NamedTool, Tool
 from .sampling import SamplingParams
+from .scheduler import Decisions, Scheduler, Ticket
 from .speculative import DraftConfigError, SpecConfig, SpecStats
+
+__all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
+           "GenerationStats", "Request", "RequestError"]
 
 DEFAULT_MAX_TOKENS = 256
 # Batched rounds on the CPU backend run the draft model up to this many drafting requests.
@@ -34,59 +47,35 @@ DEFAULT_MAX_TOKENS = 256
 CPU_DRAFT_MAX_BATCH = 4
 
 
-class RequestError(ValueError):
-    """A request parameter outside its valid range; the message names value and range."""
-
-
 class CompileTimeout(GrammarError):
     """A constraint that did not compile within the request's time limit."""
 
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(kind, message)
+        self.code = "compile_timeout"
+
 
 @dataclass(frozen=True)
-class GenerationStats:
-    """What one request cost. Times in seconds.
+class EngineDefaults:
+    """What a request gets when it leaves a field out, and the limits `prepare` applies.
 
-    The decode loop's timings and speculative counters (`prefill_s`, `mask_s`, `rounds`,
-    `accepted`, `grammar_cuts`, ...; zero for plain decoding) are read through from
-    `counters`.
+    Attributes:
+        max_tokens: most output tokens (within the context length).
+        max_thinking_tokens: a thinking request's budget when it gives none (and at most
+            half its max_tokens).
+        compile_timeout_s: most seconds a constraint may take to compile (None: no limit).
+        chat_template: a Jinja template overriding the model's.
     """
 
-    prompt_tokens: int
-    completion_tokens: int
-    decode_s: float
-    seed: int | None
-    k: int
-    counters: SpecStats
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.counters, name)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k != "counters"}
-        d.update(asdict(self.counters))
-        d["tokens_per_s"] = round(self.tokens_per_s, 3)
-        d["acceptance_rate"] = round(self.counters.acceptance_rate, 4)
-        return d
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The output of one request: text, token ids (no EOS), why it ended, and its stats."""
-
-    text: str
-    tokens: tuple[TokenId, ...]
-    finish_reason: FinishReason
-    stats: GenerationStats
-    warnings: tuple[str, ...] = field(default=())
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_thinking_tokens: int = 1024
+    compile_timeout_s: float | None = None
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request, validated by `Engine.prepare`.
+    """One prepared request, as the scheduler runs it (`Engine.prepare` builds it).
 
     Attributes:
         prompt_ids: prompt token ids.
@@ -97,8 +86,9 @@ class Request:
         spec: speculative settings, or None for plain decoding.
         grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
         logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
-            alternatives (`core.TokenLogprob`; the scheduler's events carry them).
+            alternatives (`events.TokenLogprob`).
         thinking: think before the constrained answer (`reasoning.Thinking`), or None.
+        tools: the tools one of which the output calls (tool mode: the output is a call).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -110,6 +100,11 @@ class Request:
     grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
     logprobs: int | None = None
     thinking: Thinking | None = None
+    tools: tuple[Tool, ...] = ()
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.grammar.warnings if self.grammar is not None else ()
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -131,7 +126,8 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 class Engine:
-    """A target model with its grammar compiler and, optionally, a draft model.
+    """A target model with its grammar compiler, optionally a draft model, and the scheduler
+    that decodes every request submitted to it (started on first use).
 
     Args:
         target: the loaded target model.
@@ -142,13 +138,15 @@ class Engine:
         draft_max_batch: batched rounds run the draft model only while at most this many
             requests would draft (`core.Models.draft_max_batch`); "auto": 4 on the CPU
             backend (measured crossover there), no limit on a GPU; None: no limit.
+        defaults: what requests get for the fields they leave out (`EngineDefaults`).
     Raises:
         DraftConfigError: an incompatible draft.
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
                  spec: SpecConfig = SpecConfig(), jump_forward: bool = True,
-                 draft_max_batch: int | None | Literal["auto"] = "auto") -> None:
+                 draft_max_batch: int | None | Literal["auto"] = "auto",
+                 defaults: EngineDefaults = EngineDefaults()) -> None:
         if draft is not None:
             check_draft(target, draft)
         if draft_max_batch == "auto":
@@ -162,6 +160,7 @@ class Engine:
         self.draft = draft
         self.default_spec = spec
         self.jump_forward = jump_forward
+        self.defaults = defaults
         self.kv_store = PromptKVCache()
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="specdec-compile")
@@ -170,6 +169,82 @@ class Engine:
             eos_token_ids=list(target.eos_token_ids))
         ctx = target.config.get("max_position_embeddings") or 2048
         self.context_length = int(ctx)
+        self._scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
+        self.request_timeout_s: float | None = None
+        self._replicas = False
+
+    # -- the scheduler -------------------------------------------------------------------
+    def start(self, *, max_batch: int = 8, max_queue: int = 64,
+              request_timeout_s: float | None = None,
+              publish: Callable[[Decisions], None] | None = None,
+              on_fatal: Callable[[Exception], None] | None = None) -> Scheduler:
+        """Start the scheduler thread with these settings (else `submit` starts one with
+        the defaults): up to `max_batch` requests decoded together, `max_queue` more waiting
+        (then `QueueFull`), each stopped past `request_timeout_s` from submission;
+        `publish` / `on_fatal`: a sharded target's rounds (`distributed`)."""
+        with self._lock:
+            if self._scheduler is not None:
+                raise RuntimeError("the engine's scheduler is already running")
+            self.request_timeout_s = request_timeout_s
+            self._replicas = publish is not None
+            self._scheduler = Scheduler(self.models, self.new_state, max_batch=max_batch,
+                                        max_queue=max_queue, kv_store=self.kv_store,
+                                        publish=publish, on_fatal=on_fatal)
+            ref = weakref.ref(self)
+            atexit.register(lambda: (e := ref()) is not None and e.close())
+            return self._scheduler
+
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            try:
+                self.start()
+            except RuntimeError:  # another thread started it meanwhile
+                pass
+        assert self._scheduler is not None
+        return self._scheduler
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop the scheduler after its current round (requests still queued are dropped)."""
+        if self._scheduler is not None:
+            self._scheduler.stop(wait_s=wait_s)
+
+    def output(self, req: Request, sink: Callable[[Event], None]) -> Output:
+        """The request's output router (`output.Output`), putting its events into `sink`."""
+        return Output(self.decode_text, sink, stop=req.stop, thinking=req.thinking,
+                      tool_mode=bool(req.tools), reasoning_tokens=self.reasoning_tokens,
+                      prompt_tokens=len(req.prompt_ids), seed=req.sampling.seed,
+                      k=req.spec.k if req.spec else 0, warnings=req.warnings)
+
+    def submit(self, req: Request, stream: RequestStream | None = None) -> RequestStream:
+        """Queue a prepared request; returns its event stream (pass one bound to an event
+        loop to `async for` it there).
+
+        Raises:
+            QueueFull: `max_queue` requests already wait. SchedulerStopped: after a fatal
+            error.
+        """
+        stream = stream if stream is not None else RequestStream()
+        from .distributed import for_replicas
+
+        self.scheduler.submit(Ticket(req, self.output(req, stream.put), stream.cancelled,
+                                     timeout_s=self.request_timeout_s,
+                                     replica=for_replicas(req) if self._replicas else None))
+        return stream
+
+    def generate(self, req: Request) -> Finished:
+        """Run one request to completion (through the scheduler, like every request).
+
+        Raises:
+            SpecdecError: the request failed (`events.Failed`).
+        """
+        for ev in self.submit(req):
+            if isinstance(ev, Failed):
+                raise ev.error
+            if isinstance(ev, Finished):
+                return ev
+        raise AssertionError("a request stream ended without Finished or Failed")
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, text: str, *, raw: bool = False) -> list[TokenId]:
@@ -196,7 +271,8 @@ class Engine:
                     template_kwargs: dict[str, Any] | None = None) -> list[TokenId]:
         """Render chat messages with the model's template and tokenize them."""
         text = render_chat(self.target.tokenizer, messages, constrained=constrained,
-                           template=template, template_kwargs=template_kwargs)
+                           template=template or self.defaults.chat_template,
+                           template_kwargs=template_kwargs)
         return self.encode(text)
 
     def chat_prompt_thinking(self, messages: list[dict[str, Any]], *,
@@ -205,7 +281,8 @@ class Engine:
                              budget: int | None = None) -> tuple[list[TokenId], Thinking]:
         """Render for a request that thinks before answering (`chat.render_thinking`) and
         tokenize; returns the ids and the think block to pass to `prepare`."""
-        text, thinking = render_thinking(self.target.tokenizer, messages, template=template,
+        text, thinking = render_thinking(self.target.tokenizer, messages,
+                                         template=template or self.defaults.chat_template,
                                          template_kwargs=template_kwargs, budget=budget)
         return self.encode(text), thinking
 
@@ -228,28 +305,113 @@ class Engine:
         return str(self.target.tokenizer.decode(list(tokens), skip_special_tokens=False))
 
     # -- requests ------------------------------------------------------------------------
-    def prepare(self, prompt_ids: Sequence[TokenId], *, constraint: Constraint | None = None,
-                sampling: SamplingParams = SamplingParams(),
-                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
-                spec: SpecConfig | None | Literal["default"] = "default",
-                compile_timeout_s: float | None = None, logprobs: int | None = None,
-                thinking: Thinking | None = None) -> Request:
-        """Validate a request, compile its constraint and fill in its seed: the one door for
-        the CLI, the server and the benchmarks.
+    def prepare(self, request: GenerateRequest | Sequence[TokenId], **fields: Any) -> Request:
+        """Validate a request, render it, compile its constraint and fill in its defaults
+        and seed: the one door for the CLI, the server and the benchmarks.
 
-        Args:
-            spec: speculative settings; "default" uses the engine's (with no draft: for
-                constrained requests when jump-forward is on), None forces plain decoding.
-                Without a draft model only grammar-forced tokens are proposed.
-            compile_timeout_s: most seconds the compile may take (None: no limit). A compile
-                that runs over finishes in the background and is cached.
-            thinking: a think block before the answer (the constraint; any text without
-                one), all under one grammar; its budget forces the end marker.
+        `request` is a `GenerateRequest`; or prompt token ids with the low-level fields as
+        keywords (`constraint`, `sampling`, `max_tokens`, `stop`, `spec` (a `SpecConfig`,
+        None or "default"), `compile_timeout_s`, `logprobs`, `thinking` (a
+        `reasoning.Thinking`)), for callers that render prompts themselves.
+
         Raises:
-            RequestError: empty or over-long prompt, bad max_tokens, bad token ids, empty stop.
-            CompileTimeout: the constraint took longer than compile_timeout_s to compile.
+            RequestError (a `SpecdecError`, `param` naming the field): empty or over-long
+                prompt, bad max_tokens, token ids or stops; a chat template that fails
+                (`ChatTemplateError`), thinking it cannot do (`ThinkingUnsupportedError`);
+                tool settings not implemented.
+            CompileTimeout: the constraint took longer than the compile limit.
             GrammarError: the constraint does not compile (compiled and cached here).
         """
+        if isinstance(request, GenerateRequest):
+            if fields:
+                raise TypeError("give a GenerateRequest or prompt ids with fields, not both")
+            return self._prepare_request(request)
+        return self._prepare_ids(request, **fields)
+
+    def _prepare_request(self, r: GenerateRequest) -> Request:
+        tools, constraint = self._tools(r)
+        if (r.messages == ()) == (r.prompt is None):
+            raise RequestError("give either messages or a prompt", param="messages")
+        thinking = None
+        if r.prompt is not None:
+            if r.thinking:
+                raise RequestError("thinking needs chat messages, not a raw prompt",
+                                   param="thinking")
+            ids = (self.encode(r.prompt, raw=True) if isinstance(r.prompt, str)
+                   else list(r.prompt))
+        else:
+            msgs = [template_message(m, i) for i, m in enumerate(r.messages)]
+            kwargs = dict(r.template_kwargs)
+            if r.reasoning_effort is not None:
+                kwargs.setdefault("reasoning_effort", r.reasoning_effort)
+            if tools:  # the template shows the model its tools, where it can
+                kwargs["tools"] = [tool_schema(t) for t in tools]
+            if r.thinking:
+                ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
+            else:
+                ids = self.chat_prompt(msgs, constrained=constraint is not None,
+                                       template_kwargs=kwargs)
+        max_tokens = r.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.defaults.max_tokens, self.context_length - len(ids)))
+        if thinking is not None:
+            budget = r.thinking_budget
+            if budget is None:
+                budget = min(self.defaults.max_thinking_tokens, max_tokens // 2)
+            thinking = dataclasses.replace(thinking, budget=budget)
+        spec: SpecConfig | None | str = "default"
+        if r.spec is None:
+            spec = None
+        elif isinstance(r.spec, Mapping):
+            try:
+                spec = dataclasses.replace(self.default_spec, **r.spec)
+            except TypeError as e:
+                raise RequestError(f"unknown speculative setting: {e}", param="spec") from e
+        req = self._prepare_ids(ids, constraint=constraint, sampling=r.sampling,
+                                max_tokens=max_tokens, stop=r.stop, spec=spec,
+                                compile_timeout_s=self.defaults.compile_timeout_s,
+                                logprobs=r.logprobs, thinking=thinking)
+        return dataclasses.replace(req, tools=tools)
+
+    def _tools(self, r: GenerateRequest) -> tuple[tuple[Tool, ...], Constraint | None]:
+        """The tools a tool-mode output calls one of, and the output's constraint."""
+        choice = r.tool_choice
+        if choice == "none" or not r.tools:
+            if isinstance(choice, NamedTool) or choice == "required":
+                raise RequestError("tool_choice needs a non-empty list of tools",
+                                   param="tools")
+            return (), r.constraint
+        names = [t.name for t in r.tools]
+        if len(set(names)) != len(names):
+            raise RequestError("tool names must be unique", param="tools")
+        if choice == "auto":
+            raise RequestError("tool_choice 'auto' (the default with tools) is not supported "
+                               "yet: force a call ('required' or a named tool) or give none",
+                               param="tool_choice", code="unsupported_parameter")
+        tools = r.tools
+        if isinstance(choice, NamedTool):
+            tools = tuple(t for t in r.tools if t.name == choice.name)
+            if not tools:
+                raise RequestError(f"tool_choice names {choice.name!r}, which is not in "
+                                   "tools", param="tool_choice")
+        if r.constraint is not None:
+            raise RequestError("a forced tool call and an output format cannot both "
+                               "constrain the output", param="tool_choice")
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)}}
+                 for t in tools]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        strict = all(t.strict for t in tools)
+        return tuple(tools), Constraint.json_schema(schema, lenient=not strict)
+
+    def _prepare_ids(self, prompt_ids: Sequence[TokenId], *,
+                     constraint: Constraint | None = None,
+                     sampling: SamplingParams = SamplingParams(),
+                     max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
+                     spec: SpecConfig | None | Literal["default"] = "default",
+                     compile_timeout_s: float | None = None, logprobs: int | None = None,
+                     thinking: Thinking | None = None) -> Request:
         if spec == "default":
             if self.draft is not None or (constraint is not None and self.jump_forward):
                 spec = self.default_spec
@@ -257,34 +419,39 @@ class Engine:
                 spec = None
         n = len(prompt_ids)
         if n == 0:
-            raise RequestError("prompt is empty: it must contain at least one token")
+            raise RequestError("prompt is empty: it must contain at least one token",
+                               param="messages")
         if n >= self.context_length:
             raise RequestError(f"prompt has {n} tokens; the context length is "
-                               f"{self.context_length}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestError(f"max_tokens={max_tokens!r}: must be an integer >= 1")
+                               f"{self.context_length}", param="messages",
+                               code="context_length_exceeded")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise RequestError(f"max_tokens={max_tokens!r}: must be an integer >= 1",
+                               param="max_tokens")
         if n + max_tokens > self.context_length:
             raise RequestError(f"max_tokens={max_tokens} with a {n}-token prompt exceeds the "
                                f"context length {self.context_length} (at most "
-                               f"{self.context_length - n})")
+                               f"{self.context_length - n})", param="max_tokens",
+                               code="context_length_exceeded")
         bad = [t for t in prompt_ids if not (0 <= int(t) < self.target.vocab_size)]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside [0, "
-                               f"{self.target.vocab_size})")
+                               f"{self.target.vocab_size})", param="messages")
         bad = [t for t, _ in sampling.logit_bias if t >= self.target.vocab_size]
         if bad:
             raise RequestError(f"logit_bias token id {bad[0]} is outside [0, "
-                               f"{self.target.vocab_size})")
+                               f"{self.target.vocab_size})", param="sampling.logit_bias")
         if any(not isinstance(s, str) or not s for s in stop):
-            raise RequestError("stop strings must be non-empty strings")
+            raise RequestError("stop strings must be non-empty strings", param="stop")
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
+            raise RequestError(f"top_logprobs={logprobs!r}: must be an integer in [0, 20]",
+                               param="logprobs")
         if thinking is not None and constraint is None:
             constraint = Constraint.grammar(ANY_TEXT)
         grammar = (self.compile(constraint, compile_timeout_s, thinking)
                    if constraint is not None else None)
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
-            raise RequestError(f"top_logprobs={logprobs!r}: must be an integer in [0, 20]")
         return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
                        tuple(stop), spec, grammar, logprobs, thinking)
 
@@ -314,6 +481,8 @@ class Engine:
     def matcher(self, req: Request) -> Any:
         """A fresh matcher for the request (None when unconstrained); with a thinking budget,
         wrapped so the budget forces the end marker (`reasoning.ThinkingMatcher`)."""
+        from .reasoning import ThinkingMatcher
+
         grammar = self.compiled(req)
         if grammar is None:
             return None
@@ -321,52 +490,6 @@ class Engine:
             return ThinkingMatcher(grammar.matcher(), self.compiler.tokenizer, req.thinking,
                                    self.target.vocab_size)
         return grammar.matcher()
-
-    def generate(self, req: Request) -> GenerationResult:
-        """Run one request to completion."""
-        timings = SpecStats()
-        t0 = time.perf_counter()
-        tokens: list[TokenId] = []
-        gen = self.run(req, timings)
-        try:
-            while True:
-                tok, _ = next(gen)
-                tokens.append(tok)
-        except StopIteration as stop:
-            finish, text = stop.value
-        total = time.perf_counter() - t0
-        grammar = self.compiled(req)
-        stats = GenerationStats(
-            prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens),
-            decode_s=max(total - timings.prefill_s, 0.0), seed=req.sampling.seed,
-            k=req.spec.k if req.spec else 0, counters=timings)
-        return GenerationResult(text, tuple(tokens), finish, stats,
-                                grammar.warnings if grammar else ())
-
-    def run(self, req: Request, timings: StepTimings | None = None
-            ) -> Generator[tuple[TokenId, str], None, tuple[FinishReason, str]]:
-        """Decode a request, applying stop strings: the streaming primitive.
-
-        Yields (token id, text delta); the deltas hold back a possibly incomplete UTF-8
-        character and a possible stop-string prefix, so the final text (in the return value)
-        may extend what was yielded. Returns (finish reason, full text). Pass a `SpecStats`
-        as `timings` to collect speculative counters.
-        """
-        steps = decode_rounds(self.models, req.prompt_ids, max_tokens=req.max_tokens,
-                              eos_token_ids=self.target.eos_token_ids, params=req.sampling,
-                              matcher=self.matcher(req), spec=req.spec,
-                              timings=timings, kv_store=self.kv_store)
-        text = self.text_stream(req)
-        while True:
-            try:
-                tok = next(steps)
-            except StopIteration as end:
-                return text.close(end.value)
-            delta, stopped = text.feed(tok)
-            if stopped:
-                steps.close()
-                return text.close("stop")
-            yield tok, delta
 
     # -- batching ------------------------------------------------------------------------
     @property
@@ -376,85 +499,32 @@ class Engine:
         return Models(self.target.model, self.target.vocab_size, d.model if d else None,
                       d.vocab_size if d else 0, self.draft_max_batch)
 
-    def new_state(self, req: Request, stats: SpecStats | None = None) -> DecodeState:
+    def new_state(self, req: Request) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
         return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
                          eos_token_ids=self.target.eos_token_ids, params=req.sampling,
-                         spec=req.spec, matcher=self.matcher(req),
-                         stats=stats, logprobs=req.logprobs)
-
-    def text_stream(self, req: Request) -> "TextStream":
-        return TextStream(self.decode_text, req.stop,
-                          req.thinking.close + SEPARATOR if req.thinking else None)
+                         spec=req.spec, matcher=self.matcher(req), logprobs=req.logprobs)
 
 
 ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a constraint
 
 
-class TextStream:
-    """Token ids → text deltas for one request, applying its stop strings.
+def template_message(m: Message, i: int) -> dict[str, Any]:
+    """A conversation turn as chat templates take it (OpenAI's message shape).
 
-    With `answer_after` (a thinking request: its end marker and separator), stop strings
-    apply to the answer only, never to the thinking before it.
-
-    Incremental: each token decodes a short window (the tokens since the last stable point
-    plus the few before it, as their context), so a long output costs O(n), not O(n²). Text
-    is stable once the window decodes to more than its context and does not end in U+FFFD
-    (a byte-fallback or byte-level tokenizer's partial character: one U+FFFD per pending
-    byte). Deltas also hold back a possible stop-string prefix. The final text is the stable
-    text plus the flushed remainder, so a client that joins the deltas gets exactly it.
+    Raises:
+        RequestError: tool calls or tool results in the history (not implemented yet).
     """
+    if m.tool_calls or m.role == "tool":
+        raise RequestError(f"messages[{i}]: tool calls and tool results in the history are "
+                           "not supported yet", param="messages",
+                           code="unsupported_parameter")
+    return {"role": m.role, "content": m.content}
 
-    def __init__(self, decode: Any, stop: Sequence[str], answer_after: str | None = None
-                 ) -> None:
-        self._decode, self._stop = decode, tuple(stop)
-        self._after = answer_after  # stop strings apply only after it (a think block's end)
-        self._hold = max((len(x) for x in stop), default=0)
-        self.tokens: list[TokenId] = []
-        self._text = ""  # stable text
-        self._prefix = self._read = 0  # token offsets: window context start, stable end
-        self._sent = 0  # characters of _text sent
-        self._cut: str | None = None
 
-    def _advance(self, flush: bool = False) -> None:
-        context = self._decode(self.tokens[self._prefix:self._read]) if self._read else ""
-        window = self._decode(self.tokens[self._prefix:])
-        if flush or (len(window) > len(context) and not window.endswith("\ufffd")):
-            self._text += window[len(context):]
-            self._prefix, self._read = self._read, len(self.tokens)
-
-    def _find_stop(self, since: int) -> bool:
-        if not self._stop:
-            return False
-        start = max(0, since - self._hold + 1)
-        if self._after is not None:
-            at = self._text.find(self._after)
-            if at < 0:
-                return False
-            start = max(start, at + len(self._after))
-        hits = [i for i in (self._text.find(x, start) for x in self._stop) if i >= 0]
-        if hits:
-            self._cut = self._text[:min(hits)]
-        return bool(hits)
-
-    def feed(self, tok: TokenId) -> tuple[str, bool]:
-        """Add a token; returns (text delta, whether a stop string ended the output)."""
-        self.tokens.append(tok)
-        before = len(self._text)
-        self._advance()
-        if self._find_stop(before):
-            return "", True
-        safe = len(self._text) - (self._hold - 1 if self._hold else 0)
-        delta = self._text[self._sent:max(safe, self._sent)]
-        self._sent += len(delta)
-        return delta, False
-
-    def close(self, finish: FinishReason) -> tuple[FinishReason, str]:
-        """The finish reason and the full text (a stop string's cut wins)."""
-        if self._cut is None:
-            before = len(self._text)
-            self._advance(flush=True)
-            self._find_stop(before)
-        if self._cut is not None:
-            return "stop", self._cut
-        return finish, self._text
+def tool_schema(t: Tool) -> dict[str, Any]:
+    """A tool as chat templates take it (OpenAI's function-tool shape)."""
+    fn: dict[str, Any] = {"name": t.name, "parameters": dict(t.parameters)}
+    if t.description:
+        fn["description"] = t.description
+    return {"type": "function", "function": fn}

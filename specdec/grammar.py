@@ -21,6 +21,7 @@ import llguidance.hf
 import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer
 
+from .errors import RequestError
 from .reasoning import Thinking, think_grammar
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
@@ -36,7 +37,7 @@ JSON_DEFAULTS: dict[str, Any] = {
 }
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestError):
     """A constraint that cannot be compiled; the message names the offending value.
 
     Attributes:
@@ -44,8 +45,9 @@ class GrammarError(ValueError):
     """
 
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"invalid {kind} constraint: {message}")
-        self.kind = kind
+        super().__init__(f"invalid {kind} constraint: {message}", param="constraint",
+                         code="invalid_grammar")
+        self.constraint_kind = kind
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .errors import RequestError
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-class SamplingError(ValueError):
-    """A sampling parameter outside its valid range; the message names value and range."""
+class SamplingError(RequestError):
+    """A sampling parameter outside its valid range; the message names value and range.
+    `param` is "sampling.<field>" (temperature, top_p, top_k, seed, logit_bias)."""
 
 
 @dataclass(frozen=True)
@@ -48,18 +51,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
-            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]")
+            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]", param="sampling.temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise SamplingError(f"top_p={self.top_p}: must be in (0, 1]")
+            raise SamplingError(f"top_p={self.top_p}: must be in (0, 1]", param="sampling.top_p")
         if self.top_k < 0:
-            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)")
+            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)", param="sampling.top_k")
         if self.seed is not None and not (0 <= self.seed <= _MASK64):
-            raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)")
+            raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)", param="sampling.seed")
         for tok, v in self.logit_bias:
             if not (isinstance(tok, int) and tok >= 0):
-                raise SamplingError(f"logit_bias token {tok!r}: must be a token id >= 0")
+                raise SamplingError(f"logit_bias token {tok!r}: must be a token id >= 0",
+                                    param="sampling.logit_bias")
             if not (-100.0 <= v <= 100.0):
-                raise SamplingError(f"logit_bias[{tok}]={v}: must be in [-100, 100]")
+                raise SamplingError(f"logit_bias[{tok}]={v}: must be in [-100, 100]",
+                                    param="sampling.logit_bias")
 
     @property
     def greedy(self) -> bool:

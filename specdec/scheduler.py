@@ -3,10 +3,10 @@
 Requests join and leave at round boundaries. Each round, arriving requests' prompts advance
 by at most one prefill chunk in all (one forward), so running requests stall for at most one
 chunk; then one round decodes every prefilled request together (one verify forward for all).
-Events go to each request's `sink` as one typed `Event` per text delta, then a final one.
+Each emitted token goes to the request's output router (`output.Output`), which puts typed
+events (`events`) into the request's stream.
 
-Error contract: a request whose setup or grammar fails gets an `Event` with `error` set and
-leaves; the loop and the other requests carry on. `submit` raises `QueueFull` when the
+Error contract: a request whose setup or grammar fails gets a `Failed` event and leaves; the loop and the other requests carry on. `submit` raises `QueueFull` when the
 waiting queue is at its bound (the server answers 503 with Retry-After).
 """
 
@@ -24,46 +24,28 @@ import mlx.core as mx
 
 from .core import DecodeState, prefill_arrivals, run_round
 from .decode import FinishReason, TokenId
+from .errors import InternalError, SpecdecError
 from .speculative import SpecStats
 
 log = logging.getLogger("specdec.scheduler")
 
 
-class QueueFull(RuntimeError):
+class QueueFull(SpecdecError):
     """The scheduler's waiting queue is at its bound; retry later."""
 
+    kind, code = "unavailable", "queue_full"
 
-class SchedulerStopped(RuntimeError):
+
+class SchedulerStopped(SpecdecError):
     """The scheduler stopped after a fatal error (a replica of a sharded target was lost)."""
 
+    kind, code = "unavailable", "unavailable"
 
-class DeadlineExceeded(RuntimeError):
+
+class DeadlineExceeded(SpecdecError):
     """A request ran (or waited) past its time limit; it was stopped, nothing lost."""
 
-
-@dataclass(frozen=True)
-class Event:
-    """What a request produced: a text delta (with the token ids behind it), or its end.
-
-    Attributes:
-        tokens: token ids emitted since the last event.
-        text: text delta (may be empty: held back for stop strings / partial UTF-8).
-        finish: set on the final event ("stop" or "length"), with `full_text` and `stats`.
-        error: set on a failed request's final event.
-    """
-
-    tokens: tuple[TokenId, ...] = ()
-    text: str = ""
-    logprobs: tuple = ()  # core.TokenLogprob per token, when the request asked for them
-    finish: FinishReason | None = None
-    full_text: str = ""
-    stats: SpecStats | None = None
-    seconds: float = 0.0
-    error: Exception | None = None
-
-    @property
-    def final(self) -> bool:
-        return self.finish is not None or self.error is not None
+    kind, code = "timeout", "timeout"
 
 
 @dataclass(eq=False)
@@ -71,23 +53,24 @@ class Ticket:
     """A submitted request: what the scheduler needs to run it and report back.
 
     Attributes:
-        start: builds the request's `DecodeState` (run on the scheduler thread).
-        text: the request's text assembler (`engine.TextStream`).
-        sink: called with each `Event` (from the scheduler thread).
+        request: the prepared request (`engine.Request`); the scheduler's `start` builds
+            its `DecodeState` (on the scheduler thread).
+        output: the request's output router (`output.Output`): it takes each emitted token
+            and puts the request's events into its stream.
         cancelled: set by the caller to stop the request within one round.
         timeout_s: the request's time limit from submission (waiting included), or None;
             past it the request ends with `DeadlineExceeded` within one round.
+        replica: what a sharded target's replicas need to rebuild the ticket.
     """
 
-    start: Callable[[], DecodeState]
-    text: Any
-    sink: Callable[[Event], None]
+    request: Any
+    output: Any
     cancelled: threading.Event = field(default_factory=threading.Event)
+    timeout_s: float | None = None
+    replica: Any = None
+    key: int = 0  # submission number, set by `submit`
     state: DecodeState | None = None
     t0: float = 0.0
-    timeout_s: float | None = None
-    request: Any = None  # what a replica needs to rebuild the ticket (`distributed`)
-    key: int = 0  # submission number, set by `submit`
 
     def overdue(self, now: float) -> bool:
         return self.timeout_s is not None and now - self.t0 > self.timeout_s
@@ -121,6 +104,7 @@ class Scheduler:
 
     Args:
         models: the `core.Models` every request decodes with.
+        start: a ticket's request -> its `DecodeState` (`Engine.new_state`).
         max_batch: most requests decoding at once.
         max_queue: most requests waiting for a slot (then `submit` raises QueueFull).
         chunk: prefill chunk (tokens) an arrival advances per round.
@@ -132,14 +116,15 @@ class Scheduler:
         thread: run the loop on a thread of its own (False: the caller drives `replay`).
     """
 
-    def __init__(self, models: Any, max_batch: int = 8, max_queue: int = 64,
+    def __init__(self, models: Any, start: Callable[[Any], DecodeState], max_batch: int = 8, max_queue: int = 64,
                  chunk: int = 512, kv_store: Any = None,
                  publish: Callable[[Decisions], None] | None = None,
                  on_fatal: Callable[[Exception], None] | None = None,
                  thread: bool = True) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch={max_batch} must be >= 1, max_queue={max_queue} >= 0")
-        self.models, self.max_batch, self.max_queue = models, max_batch, max_queue
+        self.models, self.start, self.max_batch, self.max_queue = (models, start, max_batch,
+                                                                   max_queue)
         self.chunk, self.kv_store = chunk, kv_store
         self.publish, self.on_fatal = publish, on_fatal
         self.fatal: Exception | None = None
@@ -223,8 +208,10 @@ class Scheduler:
                 if self.publish is not None:  # the replicas may have diverged: stop
                     e = SchedulerStopped(f"the sharded target failed ({e}); this server "
                                          "is stopping")
+                err = e if isinstance(e, SpecdecError) else InternalError(
+                    f"a decode round failed: {e}")
                 for t in list(self._active):
-                    self._finish(t, error=e)
+                    self._finish(t, error=err)
                 self._active = []
                 if self.publish is not None:
                     self._die(e)
@@ -256,7 +243,7 @@ class Scheduler:
             tickets = [*self._active, *self._waiting]
             self._waiting = deque()
         for t in tickets:
-            t.sink(Event(error=e, seconds=time.perf_counter() - t.t0))
+            t.output.fail(e)
         if self.on_fatal is not None:
             self.on_fatal(e)
 
@@ -273,7 +260,7 @@ class Scheduler:
         late = self._late()
         gone = [t for t in self._active if t.cancelled.is_set() and t not in late]
         if self.publish is not None:
-            self._publish(Decisions(admit=tuple((t.key, t.request) for t in admitted),
+            self._publish(Decisions(admit=tuple((t.key, t.replica) for t in admitted),
                                     late=tuple(t.key for t in late),
                                     gone=tuple(t.key for t in gone)))
         self.replay(late, gone)
@@ -300,9 +287,10 @@ class Scheduler:
         for t in list(self._active):
             if t.state is None:
                 try:
-                    t.state = t.start()
+                    t.state = self.start(t.request)
                 except Exception as e:
-                    self._finish(t, error=e)
+                    self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
+                        f"the request could not start: {e}"))
         # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward.
         arriving = [t.state for t in self._active if t.state is not None and t.state.to_prefill]
         if arriving:
@@ -319,12 +307,9 @@ class Scheduler:
             s = t.state
             assert s is not None
             if s.new_tokens and t not in gone:
-                stop = False
                 for j, tok in enumerate(s.new_tokens):
-                    delta, stop = t.text.feed(tok)
-                    t.sink(Event((tok,), delta, (s.new_logprobs[j],)
-                                 if j < len(s.new_logprobs) else ()))
-                    if stop:
+                    if t.output.feed(tok, s.new_logprobs[j] if j < len(s.new_logprobs)
+                                     else None):  # a stop string ended the output
                         s.finish = "stop"
                         break
             if s.error is not None:
@@ -332,16 +317,15 @@ class Scheduler:
             elif s.finish is not None:
                 self._finish(t)
 
-    def _finish(self, t: Ticket, error: Exception | None = None) -> None:
+    def _finish(self, t: Ticket, error: SpecdecError | None = None) -> None:
         if t in self._active:
             self._active.remove(t)
         seconds = time.perf_counter() - t.t0
         if t.state is not None:
             t.state.release()
         if error is not None:
-            t.sink(Event(error=error, seconds=seconds))
+            t.output.fail(error)
             return
         s = t.state
         assert s is not None and s.finish is not None
-        finish, text = t.text.close(s.finish)
-        t.sink(Event(finish=finish, full_text=text, stats=s.stats, seconds=seconds))
+        t.output.finish(s.finish, s.stats, seconds)

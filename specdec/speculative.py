@@ -40,11 +40,15 @@ from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings
 from .lookup import LookupCursor, NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 
+from .errors import RequestError
+
 MAX_DRAFT_TOKENS = 16
 
 
-class DraftConfigError(ValueError):
+class DraftConfigError(RequestError):
     """Speculative settings out of range, or a draft that cannot serve this target."""
+
+    param = "spec"
 
 
 @dataclass(frozen=True)
@@ -139,44 +143,6 @@ def _trim(cache: list, n: int) -> None:
     if n > 0:
         for c in cache:
             c.trim(n)
-
-
-def speculative_steps(target: nn.Module, draft: nn.Module | None, prompt: Sequence[TokenId], *,
-                      vocab_size: int, draft_vocab_size: int,
-                      eos_token_ids: Sequence[TokenId], max_tokens: int,
-                      matcher: LLMatcher | None = None,
-                      params: SamplingParams = SamplingParams(),
-                      spec: SpecConfig = SpecConfig(), stats: SpecStats | None = None,
-                      kv_store: PromptKVCache | None = None
-                      ) -> Generator[TokenId, None, FinishReason]:
-    """Yield the same token ids `decode_steps` would, faster when the draft agrees.
-
-    Args:
-        target, draft: mlx-lm models sharing one tokenizer (draft may be the target itself,
-            or None to propose grammar-forced tokens only).
-        prompt: prompt token ids (non-empty).
-        vocab_size: target logits width V; draft_vocab_size: draft logits width (<= V).
-        eos_token_ids: ids that end the output.
-        max_tokens: most tokens to generate (>= 1).
-        matcher: the request's llguidance matcher (advanced in place), or None.
-        params: sampling parameters (a seed is required when sampling).
-        spec: k and the drafting switches.
-        stats: accumulator for counters and timings.
-        kv_store: where prefilled prompts are kept for reuse (None: always prefill).
-    Returns:
-        "stop" (EOS or grammar complete) or "length".
-    Raises:
-        GrammarStateError: the matcher errored; nothing past that point is emitted.
-    """
-    if draft_vocab_size > vocab_size:
-        raise DraftConfigError(f"draft vocabulary {draft_vocab_size} exceeds the target's "
-                               f"{vocab_size}")
-    from .core import Models, decode_rounds  # the core builds on this module's proposers
-
-    return (yield from decode_rounds(
-        Models(target, vocab_size, draft, draft_vocab_size), prompt, max_tokens=max_tokens,
-        eos_token_ids=eos_token_ids, params=params, matcher=matcher, spec=spec,
-        timings=stats if stats is not None else SpecStats(), kv_store=kv_store))
 
 
 def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,

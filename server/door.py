@@ -1,0 +1,195 @@
+"""What every API module shares: the server's settings, reading and parsing a body, and
+running a `specdec.request.GenerateRequest` through the engine as an event stream.
+
+An API module (`chat`, `responses`, `messages`) parses its wire body with its pydantic models
+(`Door.parse`), builds the neutral request, calls `Door.open` and turns the events of the
+returned `Run` into its wire response. Errors are `SpecdecError`s; the app answers each in
+the shape of the API whose path it hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request as HTTPRequest
+from pydantic import BaseModel, ValidationError
+
+from specdec.engine import Engine, Request
+from specdec.errors import SpecdecError
+from specdec.events import Event, Failed, Finished, RequestStream
+from specdec.request import GenerateRequest, SpecOverrides
+
+from .errors import WireError, bad_request
+from .metrics import Metrics
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's settings (`specdec serve` flags).
+
+    Attributes:
+        host, port: where to listen. api_key: required of clients when set (Bearer or
+            `x-api-key`). max_batch, max_queue, request_timeout_s: the scheduler's
+            (`Engine.start`). max_body_bytes, max_json_depth: a body's limits.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_batch: int = 8
+    max_queue: int = 64
+    request_timeout_s: float | None = 600.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_json_depth: int = 128
+    channel: Any = field(default=None, compare=False)  # a sharded target's broadcast
+
+
+class Door:
+    """The engine as the API modules see it."""
+
+    def __init__(self, engine: Engine, config: ServeConfig, metrics: Metrics) -> None:
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.model_name = engine.target.name
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-prepare")
+
+    def check_model(self, model: str | None, param: str = "model") -> None:
+        if model not in (None, self.model_name, "default"):
+            raise WireError(404, f"model {model!r} does not exist; this server serves "
+                                 f"{self.model_name!r}", param=param, code="model_not_found")
+
+    async def read_json(self, request: HTTPRequest) -> Any:
+        """The body as JSON, read with a running size limit (a chunked body is cut off at
+        the limit, not read whole first) and a nesting limit."""
+        limit, chunks, size = self.config.max_body_bytes, [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise WireError(413, f"request body over {limit} bytes",
+                                code="request_too_large")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except RecursionError as e:
+            raise bad_request("request body is nested too deeply") from e
+        except ValueError as e:  # invalid JSON, bad UTF-8, integers over Python's digit limit
+            raise bad_request(f"request body is not valid JSON: {e}") from e
+        if _depth(body) > self.config.max_json_depth:
+            raise bad_request(f"request body is nested more than "
+                              f"{self.config.max_json_depth} levels deep")
+        return body
+
+    async def parse(self, request: HTTPRequest, model: type[M]) -> M:
+        """Read and validate a body with the API's pydantic model (the only parser).
+
+        Raises:
+            WireError: 400 naming the first offending field (`a.b[0].c`).
+        """
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith(
+                ("function-", "tagged-union", "literal", "list[", "str", "int")))]
+            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+            path = path.lstrip(".")
+            raise bad_request(f"{path}: {err['msg']}" if path else err["msg"],
+                              path or None) from None
+
+    async def open(self, greq: GenerateRequest, http: HTTPRequest) -> "Run":
+        """Prepare (render, validate, compile: off the event loop, within the compile time
+        limit) and submit a request.
+
+        Raises:
+            SpecdecError: the request is invalid (400s), or the server is full (503).
+        """
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(self.pool, self.engine.prepare, greq)
+        self.metrics.add(requests_total=1,
+                         requests_constrained_total=int(req.constraint is not None))
+        try:
+            stream = self.engine.submit(req, RequestStream().bind(loop))
+        except SpecdecError as e:
+            if e.code == "queue_full":
+                self.metrics.add(requests_rejected_total=1)
+            raise
+        return Run(self, req, stream, http)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Run:
+    """A submitted request: its prepared form and its events."""
+
+    door: Door
+    request: Request
+    stream: RequestStream
+    http: HTTPRequest
+    created: int = field(default_factory=lambda: int(time.time()))
+    left: bool = False  # the client went away before the end
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The request's events. A client that goes away is noticed within ~0.5 s, while
+        tokens still flow; the request is then stopped within a round and `left` set."""
+        checked = time.monotonic()
+        try:
+            while True:
+                ev = await self.stream.next(timeout=0.5)
+                if time.monotonic() - checked >= 0.5:
+                    checked = time.monotonic()
+                    if await self.http.is_disconnected():
+                        self.left = True
+                        return
+                if ev is None:
+                    continue
+                if isinstance(ev, Finished):
+                    self.door.metrics.observe(len(self.request.prompt_ids),
+                                              ev.usage.completion_tokens, ev.stats.counters,
+                                              ev.stats.seconds)
+                yield ev
+                if isinstance(ev, (Finished, Failed)):
+                    return
+        finally:
+            self.stream.cancel()  # a no-op when done; stops the engine when the client left
+
+
+def _depth(x: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def sse(event: str | None, data: Any) -> str:
+    """One server-sent event (`event:` line when named)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data)}\n\n"
+
+
+def spec_overrides(k: int | None, masking: bool | None, lookup: bool | None
+                   ) -> SpecOverrides:
+    """Our speculative extensions (`num_draft_tokens`, `draft_masking`, `prompt_lookup`) as
+    the request's overrides: "default" (none given), None (plain: k = 0) or fields."""
+    if k is None and masking is None and lookup is None:
+        return "default"
+    if k == 0:
+        return None
+    fields = {"k": k, "draft_masking": masking, "lookup": lookup}
+    return {name: v for name, v in fields.items() if v is not None}

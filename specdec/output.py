@@ -1,0 +1,208 @@
+"""One request's emitted tokens → its typed events (`events`): the one place where stop
+strings, logprobs, usage, the reasoning/answer split and tool calls are computed, for every
+caller (CLI, library, server, benchmarks).
+
+`TextStream` turns tokens into stable text deltas and applies stop strings; `Output` routes
+that text into reasoning, answer or a tool call and puts the events into the request's sink.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import SpecdecError
+from .events import (Event, Failed, FinishReason, Finished, GenerationStats, ReasoningDelta,
+                     TextDelta, TokenId, TokenLogprob, ToolCall, ToolCallDelta, Usage)
+from .reasoning import SEPARATOR, ReasoningDeltas, Thinking, split_reasoning
+from .speculative import SpecStats
+
+
+class TextStream:
+    """Token ids → text deltas for one request, applying its stop strings.
+
+    With `answer_after` (a thinking request: its end marker and separator), stop strings
+    apply to the answer only, never to the thinking before it.
+
+    Incremental: each token decodes a short window (the tokens since the last stable point
+    plus the few before it, as their context), so a long output costs O(n), not O(n²). Text
+    is stable once the window decodes to more than its context and does not end in U+FFFD
+    (a byte-fallback or byte-level tokenizer's partial character: one U+FFFD per pending
+    byte). Deltas also hold back a possible stop-string prefix. The final text is the stable
+    text plus the flushed remainder, so a client that joins the deltas gets exactly it.
+
+    `starts[i]` is where token i's text begins in the text (at most: a token fed while a
+    character was pending counts from that character's start); a stop string's cut keeps the
+    tokens that begin before it (`kept`).
+    """
+
+    def __init__(self, decode: Any, stop: Sequence[str], answer_after: str | None = None
+                 ) -> None:
+        self._decode, self._stop = decode, tuple(stop)
+        self._after = answer_after  # stop strings apply only after it (a think block's end)
+        self._hold = max((len(x) for x in stop), default=0)
+        self.tokens: list[TokenId] = []
+        self.starts: list[int] = []
+        self._text = ""  # stable text
+        self._prefix = self._read = 0  # token offsets: window context start, stable end
+        self.sent = 0  # characters of _text sent
+        self._cut: str | None = None
+
+    def _advance(self, flush: bool = False) -> None:
+        context = self._decode(self.tokens[self._prefix:self._read]) if self._read else ""
+        window = self._decode(self.tokens[self._prefix:])
+        if flush or (len(window) > len(context) and not window.endswith("\ufffd")):
+            self._text += window[len(context):]
+            self._prefix, self._read = self._read, len(self.tokens)
+
+    def _find_stop(self, since: int) -> bool:
+        if not self._stop:
+            return False
+        start = max(0, since - self._hold + 1)
+        if self._after is not None:
+            at = self._text.find(self._after)
+            if at < 0:
+                return False
+            start = max(start, at + len(self._after))
+        hits = [i for i in (self._text.find(x, start) for x in self._stop) if i >= 0]
+        if hits:
+            self._cut = self._text[:min(hits)]
+        return bool(hits)
+
+    def feed(self, tok: TokenId) -> tuple[str, bool]:
+        """Add a token; returns (text delta, whether a stop string ended the output)."""
+        self.starts.append(len(self._text))
+        self.tokens.append(tok)
+        before = len(self._text)
+        self._advance()
+        if self._find_stop(before):
+            return "", True
+        safe = len(self._text) - (self._hold - 1 if self._hold else 0)
+        delta = self._text[self.sent:max(safe, self.sent)]
+        self.sent += len(delta)
+        return delta, False
+
+    def close(self, finish: FinishReason) -> tuple[FinishReason, str]:
+        """The finish reason and the full text (a stop string's cut wins)."""
+        if self._cut is None:
+            before = len(self._text)
+            self._advance(flush=True)
+            self._find_stop(before)
+        if self._cut is not None:
+            return "stop", self._cut
+        return finish, self._text
+
+    def kept(self, text: str) -> int:
+        """How many tokens lie behind the final `text` (all, unless a stop string cut it)."""
+        if self._cut is None:
+            return len(self.tokens)
+        return sum(1 for s in self.starts if s < len(text))
+
+
+class Output:
+    """Routes one request's tokens into events and hands them to `sink`.
+
+    Args:
+        decode: token ids → text.
+        sink: called with each event (on the scheduler thread).
+        stop: stop strings (answer only).
+        thinking: the request's think block, or None.
+        tool_mode: the answer is one call, `{"name": ..., "arguments": {...}}` under the
+            grammar: it is reported as a `ToolCallDelta` once complete (a call cut by
+            max_tokens is reported as finish "length" with no call, never half-written).
+        reasoning_tokens: counts a thinking output's think-block tokens.
+        prompt_tokens, seed, k, warnings: reported in `Finished`.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], sink: Callable[[Event], None],
+                 *, stop: Sequence[str] = (), thinking: Thinking | None = None,
+                 tool_mode: bool = False,
+                 reasoning_tokens: Callable[[Sequence[int], Thinking], int] | None = None,
+                 prompt_tokens: int = 0, seed: int | None = None, k: int = 0,
+                 warnings: tuple[str, ...] = ()) -> None:
+        self.text = TextStream(decode, stop, thinking.close + SEPARATOR if thinking else None)
+        self.sink, self.thinking, self.tool_mode = sink, thinking, tool_mode
+        self.split = ReasoningDeltas(thinking) if thinking is not None else None
+        self._reasoning_tokens = reasoning_tokens
+        self.prompt_tokens, self.seed, self.k, self.warnings = prompt_tokens, seed, k, warnings
+        self.logprobs: list[TokenLogprob | None] = []
+        self._attached = 0  # tokens already carried by an event
+
+    def _emit(self, delta: str, upto: int, final: bool = False) -> None:
+        """Send a text delta with the tokens that begin before `upto` characters."""
+        n = self._attached
+        while n < len(self.text.tokens) and (final or self.text.starts[n] < upto):
+            n += 1
+        toks = tuple(self.text.tokens[self._attached:n])
+        lps = tuple(x for x in self.logprobs[self._attached:n] if x is not None)
+        if not delta and not final:
+            return
+        self._attached = n
+        # A tool-mode answer is the call: reported whole once complete (`finish`).
+        if self.split is None:
+            if delta and not self.tool_mode:
+                self.sink(TextDelta(delta, toks, lps))
+            return
+        r, a = self.split.feed(delta, final)
+        if r:
+            self.sink(ReasoningDelta(r, toks, lps))
+            toks, lps = (), ()
+        if a and not self.tool_mode:
+            self.sink(TextDelta(a, toks, lps))
+
+    def feed(self, token: TokenId, logprob: TokenLogprob | None = None) -> bool:
+        """Add an emitted token; returns True when a stop string ended the output."""
+        self.logprobs.append(logprob)
+        delta, stopped = self.text.feed(token)
+        if not stopped:
+            self._emit(delta, self.text.sent)
+        return stopped
+
+    def fail(self, error: SpecdecError) -> None:
+        self.sink(Failed(error))
+
+    def finish(self, finish: FinishReason, counters: SpecStats, seconds: float) -> Finished:
+        """Flush what was held back and send `Finished`; returns it."""
+        finish, full = self.text.close(finish)
+        kept = self.text.kept(full)
+        sent = self.text.sent
+        self.text.tokens, self.text.starts = self.text.tokens[:kept], self.text.starts[:kept]
+        self.text.sent = len(full)
+        self._emit(full[sent:], len(full), final=True)
+        tokens = tuple(self.text.tokens)
+        reasoning, answer = None, full
+        n_reasoning = None
+        if self.thinking is not None:
+            reasoning, answer = split_reasoning(full, self.thinking)
+            answer = answer or ""
+            if self._reasoning_tokens is not None:
+                n_reasoning = self._reasoning_tokens(tokens, self.thinking)
+        calls: tuple[ToolCall, ...] = ()
+        if self.tool_mode:
+            call = parse_call(answer) if finish == "stop" else None
+            answer = ""
+            if call is not None:
+                calls, finish = (call,), "tool_calls"
+                self.sink(ToolCallDelta(0, call.id, call.name, call.arguments, tokens,
+                                        tuple(x for x in self.logprobs[:kept] if x)))
+        stats = GenerationStats(
+            prompt_tokens=self.prompt_tokens, completion_tokens=kept,
+            decode_s=max(seconds - counters.prefill_s, 0.0), seed=self.seed, k=self.k,
+            counters=counters, seconds=seconds)
+        done = Finished(finish, answer, reasoning, calls, tokens,
+                        tuple(x for x in self.logprobs[:kept] if x is not None),
+                        Usage(self.prompt_tokens, kept, n_reasoning), stats, self.warnings)
+        self.sink(done)
+        return done
+
+
+def parse_call(text: str) -> ToolCall | None:
+    """The call in a tool-mode answer (the grammar's `{"name", "arguments"}`), or None."""
+    try:
+        call = json.loads(text)
+        name, args = call["name"], call["arguments"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
