@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
-from specdec.events import Event, Failed, Finished, RequestStream
+from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
 from specdec.request import GenerateRequest, SpecOverrides
 
 from .errors import WireError, bad_request
@@ -193,3 +193,29 @@ def spec_overrides(k: int | None, masking: bool | None, lookup: bool | None
         return None
     fields = {"k": k, "draft_masking": masking, "lookup": lookup}
     return {name: v for name, v in fields.items() if v is not None}
+
+
+def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> dict[str, Any]:
+    """The `specdec` object of a response (every API): seed, speculative stats, what the
+    constraint did not enforce."""
+    c = stats.counters
+    return {"seed": run.request.sampling.seed, "k": stats.k, "steps": c.steps,
+            "rounds": c.rounds, "proposed": c.proposed, "accepted": c.accepted,
+            "acceptance_rate": round(c.acceptance_rate, 4), "forced": c.forced,
+            "looked_up": c.looked_up, "drafted": c.drafted,
+            "drafted_accepted": c.drafted_accepted, "grammar_cuts": c.grammar_cuts,
+            "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
+            "seconds": round(stats.seconds, 6), "warnings": list(warnings),
+            **({"spec_off": c.spec_off} if getattr(c, "spec_off", "") else {})}
+
+
+def warning_header(warnings: tuple[str, ...], limit: int = 2000) -> dict[str, str]:
+    """An RFC 9111 `Warning` header from warning texts that may hold user text (a schema's
+    format name): JSON string escapes keep it printable ASCII (no newline, no non-Latin-1
+    character, quotes escaped), bounded in length; the full texts are in the body."""
+    if not warnings:
+        return {}
+    text = json.dumps("; ".join(warnings))[1:-1]
+    if len(text) > limit:
+        text = text[:limit].rstrip("\\") + "..."
+    return {"Warning": f'199 specdec "{text}"'}

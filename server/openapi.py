@@ -1,8 +1,8 @@
-"""The OpenAPI document's request and response shapes.
+"""Chat Completions' and Completions' request and response shapes, and the OpenAPI document.
 
-The handlers parse bodies themselves (`protocol.py`: every bad field is a 400 in OpenAI's
-error shape, and the body-size and nesting limits apply before parsing), so these pydantic
-models only document what the endpoints take and give back: `openapi()` puts them into the
+The chat handlers parse bodies themselves (`protocol.py`: every bad field is a 400 in
+OpenAI's error shape, and the body-size and nesting limits apply before parsing), so these
+pydantic models only document what those endpoints take and give back: `openapi()` puts them into the
 app's OpenAPI document, which clients, generators and the fuzz tests read. Extra request
 fields are allowed (OpenAI clients send `user`, `metadata`, `store`, ...): the ones that would
 change the output are refused by name (`protocol.UNIMPLEMENTED`).
@@ -307,13 +307,12 @@ CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": ChatCompletion, "content": SSE}, **GENERATE_RESPONSES}
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": Completion, "content": SSE}, **GENERATE_RESPONSES}
-REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
-                  "/v1/completions": CompletionRequest}
 
 
-def openapi(app: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """The app's OpenAPI document with the request bodies the handlers parse themselves
-    (prompt token ids bounded by the served model's `vocab_size`, where given)."""
+def openapi(app: Any, bodies: dict[str, type[BaseModel]], vocab_size: int | None = None
+            ) -> dict[str, Any]:
+    """The app's OpenAPI document with the request bodies the handlers parse (`bodies`:
+    path -> model; prompt token ids bounded by the served model's `vocab_size`)."""
     from fastapi.openapi.utils import get_openapi
 
     if app.openapi_schema:
@@ -321,7 +320,7 @@ def openapi(app: Any, vocab_size: int | None = None) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="OpenAI-compatible constrained decoding")
     components = doc.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in REQUEST_BODIES.items():
+    for path, model in bodies.items():
         js = model.model_json_schema(ref_template="#/components/schemas/{model}",
                                      by_alias=True)
         components.update(js.pop("$defs", {}))

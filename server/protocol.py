@@ -1,4 +1,5 @@
-"""OpenAI request parsing → specdec request parts. Pure: no model, no HTTP."""
+"""OpenAI Chat Completions / Completions bodies → the neutral `GenerateRequest`. Pure: no
+model, no HTTP. Field names of those two APIs live here and in `chat`."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.grammar import Constraint
+from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall
 from specdec.sampling import SamplingError, SamplingParams
 from specdec.speculative import DraftConfigError, SpecConfig
 
 from . import openapi
-from .errors import bad_request
+from .errors import bad_request, wire_param
 from .openapi import check
 
 # Parameters that change what a request means and that this server does not implement: a
@@ -27,44 +29,22 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # vLLM's older structured-output fields, mapped onto `structured_outputs`.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's reasoning_effort values: "none" turns thinking off, every other one on.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar",
                     "choice": "choice", "json_object": "json_object"}
 
 
 @dataclass(frozen=True)
-class Common:
-    """What chat and text completions share."""
+class Body:
+    """A parsed chat or completions body: the neutral request and the wire's own options."""
 
+    request: GenerateRequest
     model: str | None
-    constraint: Constraint | None
-    sampling: SamplingParams
-    max_tokens: int | None
-    stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    spec: dict[str, Any] | None | str  # "default": the server's settings; dict: overrides
-    tools: tuple[dict[str, Any], ...] = ()  # the tools the output calls one of (tool mode)
-    logprobs: int | None = None  # None: off; n: each token's logprob and its top n
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    common: Common
-    messages: list[dict[str, Any]]
-    template_kwargs: dict[str, Any]
-    thinking: bool = False  # think before the answer (reasoning_effort / enable_thinking / ...)
-    max_thinking_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    common: Common
-    prompt: str | list[int]
 
 
 def _typed(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any) -> Any:
@@ -155,8 +135,7 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(temperature, top_p, top_k, seed, tuple(sorted(bias)))
     except SamplingError as e:
-        param = "logit_bias" if str(e).startswith("logit_bias") else str(e).split("=")[0]
-        raise bad_request(str(e), param) from e
+        raise bad_request(str(e), wire_param(e, {})) from e
 
 
 def parse_spec(body: dict[str, Any]) -> dict[str, Any] | None | str:
@@ -203,60 +182,44 @@ def map_guided(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def parse_tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], Constraint | None]:
-    """`tools` + `tool_choice` → (the tools, the constraint of one call), or ((), None).
-
-    `"required"` (or a named function) constrains the output to one call: the JSON object
-    {"name": <a tool's name>, "arguments": <that tool's parameters>}; `"none"` ignores the
-    tools; `"auto"` (OpenAI's default when tools are given) needs a model-specific parser
-    to tell text from a call, which this server does not have: a 400.
-    """
+def parse_tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], Any]:
+    """`tools` + `tool_choice` → (the tools, the neutral tool choice). The engine decides
+    what each choice means (`Engine.prepare`): "required" or a named function makes the
+    output one call; "none" ignores the tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if body.get("parallel_tool_calls") not in (None, False) and tools:
-        raise bad_request("parallel_tool_calls: one call per response is supported; set it to "
-                          "false", "parallel_tool_calls", "unsupported_parameter")
-    if choice == "none" or (tools in (None, []) and choice is None):
-        return (), None
-    if not isinstance(tools, list) or not tools:
-        raise bad_request("tool_choice needs a non-empty 'tools' list", "tools")
-    fns = []
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs a non-empty 'tools' list", "tools")
+        return (), "none"
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of function tools", "tools")
+    out = []
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': "
                               "{'name': ..., 'parameters': {...}}}", f"tools[{i}]")
-        if f.get("parameters") is None:  # absent or null: a function without parameters
-            f = {**f, "parameters": NO_PARAMETERS}
-            t = {**t, "function": f}
-        params = f["parameters"]
-        if not isinstance(params, dict):
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
                               f"tools[{i}].function.parameters")
-        fns.append(t)
-    names = [t["function"]["name"] for t in fns]
-    if len(set(names)) != len(names):
-        raise bad_request("tool names must be unique", "tools")
-    if choice is None or choice == "auto":
-        raise bad_request("tool_choice 'auto' (the default with tools) is not supported: give "
-                          "'required', a named function or 'none'", "tool_choice",
-                          "unsupported_parameter")
+        desc = f.get("description")
+        out.append(Tool(f["name"], desc if isinstance(desc, str) else None,
+                        **({"parameters": params} if params is not None else {}),
+                        strict=f.get("strict") is True))
+    if choice is None:
+        return tuple(out), "auto"
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") if choice.get("type") == \
             "function" else None
-        if name not in names:
-            raise bad_request(f"tool_choice names {name!r}, which is not in tools",
-                              "tool_choice")
-        fns = [t for t in fns if t["function"]["name"] == name]
-    elif choice != "required":
-        raise bad_request(f"tool_choice {choice!r}: expected 'required', 'none' or "
+        if not isinstance(name, str):
+            raise bad_request("tool_choice must be 'auto', 'required', 'none' or "
+                              "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        return tuple(out), NamedTool(name)
+    if choice not in ("auto", "required", "none"):
+        raise bad_request(f"tool_choice {choice!r}: expected 'auto', 'required', 'none' or "
                           "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"]["parameters"]}}
-             for t in fns]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    strict = all(t["function"].get("strict") is True for t in fns)
-    return tuple(fns), Constraint.json_schema(schema, lenient=not strict)
+    return tuple(out), choice
 
 
 def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
@@ -281,13 +244,15 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return n
 
 
-def parse_common(body: Any, allow_response_format: bool) -> Common:
+def parse_common(body: Any, chat: bool) -> dict[str, Any]:
+    """What chat and completions bodies share, as `GenerateRequest` fields (plus the wire's
+    own: model, stream, include_usage)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     check_unimplemented(body)
     body = map_guided(body)
-    tools, tool_constraint = parse_tools(body) if allow_response_format else ((), None)
-    if not allow_response_format and body.get("tools") not in (None, []):
+    tools, choice = parse_tools(body) if chat else ((), "none")
+    if not chat and body.get("tools") not in (None, []):
         raise bad_request("/v1/completions takes no tools", "tools")
     n = _typed(body, "n", (int,), 1)
     if n != 1:
@@ -309,26 +274,29 @@ def parse_common(body: Any, allow_response_format: bool) -> Common:
         raise bad_request(f"'stop' has {len(stops)} strings; at most 4", "stop")
     stream = bool(_typed(body, "stream", (bool,), False))
     so = _typed(body, "stream_options", (dict,), {})
-    constraint = parse_constraint(body, allow_response_format)
-    if tool_constraint is not None:
-        if constraint is not None:
-            raise bad_request("a tool call and a response format cannot both constrain the "
-                              "output", "tool_choice")
-        constraint = tool_constraint
-    return Common(model=_typed(body, "model", (str,), None), constraint=constraint,
-                  sampling=parse_sampling(body), max_tokens=max_tokens, stop=stops,
-                  stream=stream, include_usage=bool(so.get("include_usage", False)),
-                  spec=parse_spec(body), tools=tools,
-                  logprobs=parse_logprobs(body, chat=allow_response_format))
+    if not isinstance(so.get("include_usage", False), bool):
+        raise bad_request("stream_options.include_usage must be a boolean",
+                          "stream_options.include_usage")
+    return {"model": _typed(body, "model", (str,), None), "stream": stream,
+            "include_usage": bool(so.get("include_usage", False)),
+            "constraint": parse_constraint(body, chat), "tools": tools,
+            "tool_choice": choice, "sampling": parse_sampling(body), "max_tokens": max_tokens,
+            "stop": stops, "spec": parse_spec(body), "logprobs": parse_logprobs(body, chat),
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def _body(fields: dict[str, Any], **request: Any) -> Body:
+    wire = {k: fields.pop(k) for k in ("model", "stream", "include_usage")}
+    return Body(GenerateRequest(**fields, **request), **wire)
+
+
+def parse_chat(body: Any) -> Body:
     """Validate a /v1/chat/completions body.
 
     Raises:
-        APIError: 400 naming the offending field.
+        WireError: 400 naming the offending field.
     """
-    common = parse_common(body, allow_response_format=True)
+    fields = parse_common(body, chat=True)
     messages = normalize_messages(body.get("messages"))
     kwargs = _typed(body, "chat_template_kwargs", (dict,), {})
     effort = _typed(body, "reasoning_effort", (str,), None)
@@ -349,15 +317,18 @@ def parse_chat(body: Any) -> ChatRequest:
     if thinking:
         kwargs = {k: v for k, v in kwargs.items() if k not in asked}
     check(openapi.ChatCompletionRequest, body)
-    return ChatRequest(common, messages, kwargs, thinking, budget)
+    return _body(fields, messages=messages, template_kwargs=kwargs, thinking=thinking,
+                 thinking_budget=budget,
+                 reasoning_effort=effort if effort not in (None, "none") else None)
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages → [{"role", "content": str}] for the template.
+def normalize_messages(messages: Any) -> tuple[Message, ...]:
+    """OpenAI chat messages → the conversation's `Message`s.
 
     `content` may be a string, a list of text parts (what many clients send) or null (an
-    assistant turn); other part kinds (images, audio) and tool turns are a 400 naming the
-    message, as is an unknown role.
+    assistant turn); other part kinds (images, audio) are a 400 naming the message, as is an
+    unknown role. An assistant's `tool_calls` and `tool` messages become the turns' calls
+    and results (the engine decides whether it can render them).
     """
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -370,9 +341,6 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise bad_request(f"{where}.role {role!r} is not supported: expected one of "
                               f"{list(ROLES)}", f"{where}.role")
-        if m.get("tool_calls"):
-            raise bad_request(f"{where} has tool_calls: tool calling is not supported",
-                              f"{where}.tool_calls")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -389,14 +357,26 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise bad_request(f"{where}.content must be a string, a list of text parts or "
                               "(for an assistant) null", f"{where}.content")
-        out.append({**{k: v for k, v in m.items() if k not in ("content",)},
-                    "role": "system" if role == "developer" else role, "content": content})
-    return out
+        calls = []
+        for j, c in enumerate(m.get("tool_calls") or ()):
+            f = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str) or \
+                    not isinstance(f.get("arguments", ""), str):
+                raise bad_request(f"{where}.tool_calls[{j}] must be {{'id', 'type': "
+                                  "'function', 'function': {'name', 'arguments'}}",
+                                  f"{where}.tool_calls")
+            calls.append(ToolCall(str(c.get("id") or ""), f["name"], f.get("arguments", "")))
+        reasoning = m.get("reasoning_content")
+        out.append(Message("system" if role == "developer" else role, content,
+                           reasoning if isinstance(reasoning, str) else None, tuple(calls),
+                           m.get("tool_call_id") if role == "tool" else None,
+                           m.get("name") if isinstance(m.get("name"), str) else None))
+    return tuple(out)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any) -> Body:
     """Validate a /v1/completions body (prompt: a string or a list of token ids)."""
-    common = parse_common(body, allow_response_format=False)
+    fields = parse_common(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -409,4 +389,4 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise bad_request("'prompt' must be a non-empty string or a list of token ids "
                           "(one prompt per request)", "prompt")
     check(openapi.CompletionRequest, body)
-    return CompletionRequest(common, prompt)
+    return _body(fields, prompt=prompt if isinstance(prompt, str) else tuple(prompt))

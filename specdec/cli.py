@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stats", action="store_true", help="print a JSON stats line to stderr")
+    g.add_argument("--stats", action="store_true",
+                   help="print a JSON line to stderr: finish reason, usage, stats, the output "
+                        "token ids (and their logprobs with --logprobs)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --stats: each token's logprob and its top N alternatives")
     g.add_argument("--think", action="store_true",
                    help="think before the answer (a chat template with a think block): the "
                         "thinking goes to stderr, the (constrained) answer to stdout")
@@ -128,7 +132,7 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
     """Load the target (and draft) named on the command line into an Engine (the target
     sharded over `shard_group` when given; the draft whole on every rank)."""
     from . import load
-    from .engine import Engine
+    from .engine import Engine, EngineDefaults
     from .speculative import SpecConfig
 
     from .models import DEFAULT_DRAFT, DEFAULT_MODEL
@@ -151,8 +155,15 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
         except ValueError:
             raise SystemExit(f"specdec: error: --draft-max-batch {limit!r}: an integer, "
                              "'auto' or 'none'")
+    serving = args.cmd == "serve"
+    template = getattr(args, "chat_template", None)
+    defaults = EngineDefaults(
+        max_thinking_tokens=args.max_thinking_tokens if serving else EngineDefaults().
+        max_thinking_tokens,
+        compile_timeout_s=args.compile_timeout if serving else None,
+        chat_template=Path(template).read_text() if template else None)
     return Engine(target, draft, spec, jump_forward=not args.no_jump_forward,
-                  draft_max_batch=None if limit == "none" else limit)
+                  draft_max_batch=None if limit == "none" else limit, defaults=defaults)
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -171,59 +182,66 @@ def _constraint(args: argparse.Namespace) -> Any:
     return None
 
 
-def _messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+def _messages(args: argparse.Namespace) -> tuple[Any, ...]:
+    from .request import Message
+
     if args.messages:
         text = args.messages
         if not text.lstrip().startswith("["):
             text = Path(text).read_text()
         msgs = json.loads(text)
-        if not isinstance(msgs, list):
-            raise ValueError("--messages must be a JSON list of {role, content}")
-        return msgs
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and
+                m.get("role") in ("system", "user", "assistant") for m in msgs):
+            raise ValueError("--messages must be a JSON list of {role, content} with roles "
+                             "system, user or assistant")
+        return tuple(Message(m["role"], m["content"]) for m in msgs)
     if args.prompt is not None:
-        msgs = [{"role": "system", "content": args.system}] if args.system else []
-        return msgs + [{"role": "user", "content": args.prompt}]
-    return None
+        msgs = [Message("system", args.system)] if args.system else []
+        return (*msgs, Message("user", args.prompt))
+    return ()
 
 
 EXIT_INCOMPLETE = 3  # `generate`: constrained output cut by --max-tokens (printed anyway)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def generate_request(args: argparse.Namespace) -> Any:
+    """The command line as the engine's neutral request (the server builds the same one
+    from an API body)."""
+    from .request import GenerateRequest
     from .sampling import SamplingParams
 
-    from .reasoning import split_reasoning
-
-    constraint = _constraint(args)
-    engine = build_engine(args.model, args)
     msgs = _messages(args)
     think = args.think or args.max_thinking_tokens is not None
-    thinking = None
-    if think and msgs is None:
+    if think and not msgs:
         raise ValueError("--think needs a chat prompt (--prompt or --messages)")
-    if think:
-        budget = args.max_thinking_tokens
-        ids, thinking = engine.chat_prompt_thinking(
-            msgs, budget=min(1024, args.max_tokens // 2) if budget is None else budget)
-    elif msgs is not None:
-        ids = engine.chat_prompt(msgs, constrained=constraint is not None)
-    else:
-        ids = engine.encode(args.raw_prompt, raw=True)
-    req = engine.prepare(ids, constraint=constraint,
-                         sampling=SamplingParams(args.temperature, args.top_p, args.top_k,
-                                                 args.seed),
-                         max_tokens=args.max_tokens, stop=args.stop, thinking=thinking)
+    return GenerateRequest(
+        messages=msgs, prompt=None if msgs else args.raw_prompt, constraint=_constraint(args),
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        max_tokens=args.max_tokens, stop=tuple(args.stop), thinking=think,
+        thinking_budget=args.max_thinking_tokens,
+        logprobs=args.logprobs)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = build_engine(args.model, args)
+    req = engine.prepare(generate_request(args))
     result = engine.generate(req)
-    if thinking is not None:
-        reasoning, answer = split_reasoning(result.text, thinking)
-        print(reasoning, file=sys.stderr)
-        print(answer or "")
+    if result.reasoning is not None:
+        print(result.reasoning, file=sys.stderr)
+    if result.tool_calls:
+        print(json.dumps([c.__dict__ for c in result.tool_calls]))
     else:
         print(result.text)
     if args.stats:
-        line = {"finish_reason": result.finish_reason, **result.stats.as_dict()}
+        line = {"finish_reason": result.finish_reason, **result.stats.as_dict(),
+                "usage": {**result.usage.__dict__, "total_tokens": result.usage.total_tokens}}
         if result.warnings:
             line["warnings"] = list(result.warnings)
+        if args.logprobs is not None:
+            line["logprobs"] = [[e.token, e.logprob, [list(t) for t in e.top]]
+                                for e in result.logprobs]
+        line["tokens"] = list(result.tokens)
         print(json.dumps(line), file=sys.stderr)
     if req.constraint is not None and result.finish_reason == "length":
         m = engine.matcher(req)
@@ -282,7 +300,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from server.app import serve
+    from server.app import serve  # the launcher lives with the server
+    from server.door import ServeConfig
 
     from . import distributed
 
@@ -294,12 +313,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         return distributed.follow(engine, channel, args.max_batch)
-    template = Path(args.chat_template).read_text() if args.chat_template else None
-    serve(engine, host=args.host, port=args.port,
-          api_key=args.api_key, chat_template=template,
-          compile_timeout_s=args.compile_timeout, max_batch=args.max_batch,
-          max_queue=args.max_queue, request_timeout_s=args.request_timeout or None,
-          max_thinking_tokens=args.max_thinking_tokens, channel=channel)
+    serve(engine, ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
+                              max_batch=args.max_batch, max_queue=args.max_queue,
+                              request_timeout_s=args.request_timeout or None, channel=channel))
     return 0
 
 
