@@ -14,6 +14,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 from bench import results
 from bench.workloads import CASES
+from specdec.events import Finished
 from specdec.grammar import Constraint
 from specdec.speculative import SpecConfig
 
@@ -65,6 +66,11 @@ def timed(stream, eos: set[int], limit: int) -> tuple[int, float]:
     return max(n - 1, 1), time.perf_counter() - t_first
 
 
+def ev_tokens(ev) -> tuple[int, ...]:
+    """The output tokens an event carries (text deltas carry theirs; the end, none)."""
+    return getattr(ev, "tokens", ()) if not isinstance(ev, Finished) else ()
+
+
 def test_ours_vs_peer(benchmark, engine):
     from specdec.engine import Engine
 
@@ -84,7 +90,8 @@ def test_ours_vs_peer(benchmark, engine):
                 eng = {"plain": engine, "spec": ours_spec, "jump": jump}[mode]
                 spec = {"plain": None, "spec": SpecConfig(K), "jump": SpecConfig(8)}[mode]
                 req = eng.prepare(ids, constraint=c, max_tokens=MAX_TOKENS, spec=spec)
-                n_o, s_o = timed((t for t, _ in eng.run(req)), eos, MAX_TOKENS)
+                n_o, s_o = timed((t for ev in eng.submit(req) for t in ev_tokens(ev)), eos,
+                                 MAX_TOKENS)
                 proc = LLGuidanceProcessor(g.matcher(), len(ids), V)
                 prompt = mx.array(ids)
                 if mode in ("plain", "jump"):

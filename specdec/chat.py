@@ -63,8 +63,7 @@ def render_thinking(tokenizer: Any, messages: list[dict[str, Any]], *,
     if markers is None:
         raise ThinkingUnsupportedError(
             "thinking was asked for, but this model's chat template has no think block "
-            f"(none of {list(THINK_OPEN)}); drop reasoning_effort / enable_thinking / "
-            "max_thinking_tokens")
+            f"(none of {list(THINK_OPEN)}); ask without thinking")
     kwargs = {**(template_kwargs or {}), **{k: True for k in NO_THINK_KWARGS}}
     text = _render(tokenizer, messages, template, kwargs, True)
     head = _render(tokenizer, messages, template, kwargs, False)

@@ -35,7 +35,7 @@ from llguidance import LLMatcher
 from . import ragged
 from collections.abc import Generator, Sequence
 
-from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId,
+from .decode import (FinishReason, GrammarStateError, PromptKVCache, TokenId,
                      check_matcher)
 from .decode import PREFILL_CHUNK
 from .decode import prefill as prefill_tokens

@@ -6,7 +6,7 @@ a round with no proposer.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,7 +16,6 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 from llguidance import LLMatcher
 
-from .sampling import SamplingParams
 
 from .errors import SpecdecError
 

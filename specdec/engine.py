@@ -24,7 +24,7 @@ from typing import Any, Literal
 from .chat import render_chat, render_thinking
 from .core import DecodeState, Models, new_state
 from .decode import PromptKVCache, TokenId
-from .errors import RequestError, SpecdecError
+from .errors import RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
 from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 from .models import LoadedModel, gpu_backend
@@ -33,7 +33,7 @@ from .reasoning import Thinking, marker_ids
 from .request import GenerateRequest, Message, NamedTool, Tool
 from .sampling import SamplingParams
 from .scheduler import Decisions, Scheduler, Ticket
-from .speculative import DraftConfigError, SpecConfig, SpecStats
+from .speculative import DraftConfigError, SpecConfig
 
 __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
            "GenerationStats", "Request", "RequestError"]
@@ -182,28 +182,41 @@ class Engine:
         """Start the scheduler thread with these settings (else `submit` starts one with
         the defaults): up to `max_batch` requests decoded together, `max_queue` more waiting
         (then `QueueFull`), each stopped past `request_timeout_s` from submission;
-        `publish` / `on_fatal`: a sharded target's rounds (`distributed`)."""
+        `publish` / `on_fatal`: a sharded target's rounds (`distributed`). An idle
+        scheduler already running is replaced.
+
+        Raises:
+            RuntimeError: the running scheduler has requests in hand.
+        """
         with self._lock:
-            if self._scheduler is not None:
-                raise RuntimeError("the engine's scheduler is already running")
-            self.request_timeout_s = request_timeout_s
-            self._replicas = publish is not None
-            self._scheduler = Scheduler(self.models, self.new_state, max_batch=max_batch,
-                                        max_queue=max_queue, kv_store=self.kv_store,
-                                        publish=publish, on_fatal=on_fatal)
-            ref = weakref.ref(self)
-            atexit.register(lambda: (e := ref()) is not None and e.close())
-            return self._scheduler
+            old = self._scheduler
+            if old is not None:
+                if old.active or old.queue_depth:
+                    raise RuntimeError("the engine's scheduler is busy; it cannot be "
+                                       "restarted with new settings")
+                old.stop(wait_s=10)
+            return self._start(max_batch, max_queue, request_timeout_s, publish, on_fatal)
+
+    def _start(self, max_batch: int = 8, max_queue: int = 64,
+               request_timeout_s: float | None = None,
+               publish: Callable[[Decisions], None] | None = None,
+               on_fatal: Callable[[Exception], None] | None = None) -> Scheduler:
+        """Start the scheduler (the caller holds `_lock`)."""
+        self.request_timeout_s = request_timeout_s
+        self._replicas = publish is not None
+        self._scheduler = Scheduler(self.models, self.new_state, max_batch=max_batch,
+                                    max_queue=max_queue, kv_store=self.kv_store,
+                                    publish=publish, on_fatal=on_fatal)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (e := ref()) is not None and e.close())
+        return self._scheduler
 
     @property
     def scheduler(self) -> Scheduler:
-        if self._scheduler is None:
-            try:
-                self.start()
-            except RuntimeError:  # another thread started it meanwhile
-                pass
-        assert self._scheduler is not None
-        return self._scheduler
+        with self._lock:
+            if self._scheduler is None:
+                self._start()
+            return self._scheduler
 
     def close(self, wait_s: float = 10.0) -> None:
         """Stop the scheduler after its current round (requests still queued are dropped)."""
@@ -517,7 +530,7 @@ def template_message(m: Message, i: int) -> dict[str, Any]:
     """
     if m.tool_calls or m.role == "tool":
         raise RequestError(f"messages[{i}]: tool calls and tool results in the history are "
-                           "not supported yet", param="messages",
+                           "not supported yet", param=f"messages[{i}]",
                            code="unsupported_parameter")
     return {"role": m.role, "content": m.content}
 

@@ -128,6 +128,8 @@ class Finished:
         tokens: the output tokens behind the text (EOS excluded; a stop string's cut drops
             the tokens that lie wholly inside or after it); logprobs: theirs, when asked.
         usage, stats, warnings: token counts, costs, what the constraint did not enforce.
+        stop_sequence: the stop string that ended the output (None: EOS, the grammar, or
+            max_tokens).
     """
 
     finish_reason: FinishReason
@@ -139,6 +141,7 @@ class Finished:
     usage: Usage
     stats: GenerationStats
     warnings: tuple[str, ...] = ()
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True)

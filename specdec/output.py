@@ -49,6 +49,7 @@ class TextStream:
         self._prefix = self._read = 0  # token offsets: window context start, stable end
         self.sent = 0  # characters of _text sent
         self._cut: str | None = None
+        self.stopped_by: str | None = None  # the stop string that cut, once one did
 
     def _advance(self, flush: bool = False) -> None:
         context = self._decode(self.tokens[self._prefix:self._read]) if self._read else ""
@@ -66,9 +67,11 @@ class TextStream:
             if at < 0:
                 return False
             start = max(start, at + len(self._after))
-        hits = [i for i in (self._text.find(x, start) for x in self._stop) if i >= 0]
+        hits = [(i, x) for i, x in ((self._text.find(x, start), x) for x in self._stop)
+                if i >= 0]
         if hits:
-            self._cut = self._text[:min(hits)]
+            at, self.stopped_by = min(hits, key=lambda h: (h[0], -len(h[1])))
+            self._cut = self._text[:at]
         return bool(hits)
 
     def feed(self, tok: TokenId) -> tuple[str, bool]:
@@ -193,7 +196,8 @@ class Output:
             counters=counters, seconds=seconds)
         done = Finished(finish, answer, reasoning, calls, tokens,
                         tuple(x for x in self.logprobs[:kept] if x is not None),
-                        Usage(self.prompt_tokens, kept, n_reasoning), stats, self.warnings)
+                        Usage(self.prompt_tokens, kept, n_reasoning), stats, self.warnings,
+                        self.text.stopped_by)
         self.sink(done)
         return done
 

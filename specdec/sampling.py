@@ -51,11 +51,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
-            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]", param="sampling.temperature")
+            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]",
+                                param="sampling.temperature")
         if not (0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p={self.top_p}: must be in (0, 1]", param="sampling.top_p")
         if self.top_k < 0:
-            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)", param="sampling.top_k")
+            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)",
+                                param="sampling.top_k")
         if self.seed is not None and not (0 <= self.seed <= _MASK64):
             raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)", param="sampling.seed")
         for tok, v in self.logit_bias:

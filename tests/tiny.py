@@ -30,3 +30,50 @@ def drain(gen):
             out.append(next(gen))
         except StopIteration as end:
             return out, end.value
+
+
+def rounds(models, prompt, *, max_tokens, eos_token_ids=EOS, params=None, matcher=None,
+           spec=None, timings=None, kv_store=None):
+    """One request decoded alone through the core (`core.new_state`, `prefill`, then
+    `run_round` until it ends): yields its tokens (EOS never yielded), returns the finish
+    reason; raises the request's GrammarStateError. `timings` collects its counters."""
+    from specdec.core import new_state, prefill, run_round
+    from specdec.sampling import SamplingParams
+    from specdec.speculative import SpecStats
+
+    stats = SpecStats()
+    s = new_state(models, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
+                  params=params or SamplingParams(), spec=spec, matcher=matcher, stats=stats)
+    try:
+        prefill(models, s, kv_store)
+        while True:
+            run_round(models, [s])
+            yield from s.new_tokens
+            if s.error is not None:
+                raise s.error
+            if s.finish is not None:
+                return s.finish
+    finally:
+        s.release()
+        if timings is not None:
+            for name in ("prefill_s", "mask_s", "wait_s", "steps"):
+                setattr(timings, name, getattr(stats, name))
+            if isinstance(timings, SpecStats):
+                timings.__dict__.update(stats.__dict__)
+
+
+def plain_steps(model, prompt, *, vocab_size=WIDTH, **kw):
+    """`rounds` with no proposer (plain decoding) on one model."""
+    from specdec.core import Models
+
+    return rounds(Models(model, vocab_size), prompt, **kw)
+
+
+def spec_steps(target, draft, prompt, *, vocab_size=WIDTH, draft_vocab_size=WIDTH,
+               spec=None, stats=None, **kw):
+    """`rounds` with speculation (`spec`, default SpecConfig()) over target and draft."""
+    from specdec.core import Models
+    from specdec.speculative import SpecConfig
+
+    return rounds(Models(target, vocab_size, draft, draft_vocab_size), prompt,
+                  spec=spec or SpecConfig(), timings=stats, **kw)
