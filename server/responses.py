@@ -1,0 +1,454 @@
+"""OpenAI's Responses API, `POST /v1/responses`: the body (pydantic, the only parser) -> a
+`GenerateRequest` -> the engine's events -> a Response object, or its event stream.
+
+One `Writer` turns the events into both the stream's events and the response's `output`
+items, so a streamed and a plain response cannot differ: a `reasoning` item
+(`reasoning_text` content: the think block never leaks into the answer), a `message`
+(`output_text`), or `function_call` items. Finish "length" is status "incomplete" (reason
+max_output_tokens); a failure mid-stream is `response.failed` (before it: an error status).
+
+Stateless: nothing is stored. `store` absent or false is accepted (the openai and Agents
+SDKs send it only when the caller sets it) and the response says `"store": false`;
+`store: true`, `previous_response_id`, `conversation` and `item_reference` items are a 400,
+so a client relying on stored state learns so on its first turn, not its second.
+
+Accepted and ignored (they do not change the output): metadata (echoed), user,
+service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention,
+prompt_cache_options, stream_options, background_options, max_tool_calls (built-in tools
+only), image, access_programs, reasoning.summary and generate_summary (the reasoning comes
+whole, as `reasoning_text`), and input items' ids, statuses and annotations. `NOOP` lists
+the fields refused unless given their no-op value; any other unknown field is a 400 naming
+it. Our extensions: seed, top_k, num_draft_tokens, draft_masking, prompt_lookup,
+max_thinking_tokens, chat_template_kwargs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler
+from pydantic import GetJsonSchemaHandler
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
+
+from specdec.errors import SpecdecError
+from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
+from specdec.grammar import Constraint
+from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
+from specdec.sampling import SamplingParams
+
+from .door import Door, Run, extension, spec_overrides, sse, warning_header
+from .errors import bad_request, message_of, openai_body, openai_response
+from .openapi import GENERATE_RESPONSES
+
+PREFIX = "/v1/responses"
+PARAMS = {"messages": "input", "constraint": "text.format", "max_tokens": "max_output_tokens",
+          "thinking": "reasoning", "tools": "tools", "tool_choice": "tool_choice",
+          "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
+STATELESS = "this server is stateless: responses are not stored"
+# Official fields that would change the output: their no-op values, and why others are refused.
+NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
+    "store": ((None, False), f"{STATELESS}; omit store or set it false"),
+    "previous_response_id": ((None,), f"{STATELESS}; send the whole conversation as input"),
+    "conversation": ((None,), f"{STATELESS}; send the whole conversation as input"),
+    "include": ((None, []), "no includable extras (logprobs, encrypted reasoning) are given"),
+    "truncation": ((None, "disabled"), "input is never truncated (too long is a 400)"),
+    "background": ((None, False), "responses run in the foreground only"),
+    "prompt": ((None,), "stored prompt templates are not available"),
+    "top_logprobs": ((None,), "logprobs are not implemented on this endpoint"),
+    "context_management": ((None, []), "context compaction is not implemented"),
+    "moderation": ((None,), "moderation is not implemented")}
+IGNORED = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
+                     "prompt_cache_retention", "prompt_cache_options", "stream_options",
+                     "background_options", "max_tool_calls", "image", "access_programs"})
+Wire = tuple[str, dict[str, Any]]  # one stream event: its type and its data
+# A text item's kind -> its id prefix, empty item, empty content part, and delta event stem.
+KINDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str]] = {
+    "reasoning": ("rs", {"type": "reasoning", "summary": [], "content": []},
+                  {"type": "reasoning_text", "text": ""}, "response.reasoning_text"),
+    "message": ("msg", {"type": "message", "role": "assistant", "content": []},
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                "response.output_text")}
+
+
+def _lp(kind: str) -> dict[str, Any]:
+    """output_text events carry logprobs (none: not implemented here); reasoning's do not."""
+    return {"logprobs": []} if kind == "message" else {}
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A `type` string that names the value it refuses (pydantic's literal error does not),
+    documented as an enum."""
+
+    allowed: tuple[str, ...]
+
+    def check(self, v: str) -> str:
+        if v not in self.allowed:
+            raise PydanticCustomError("unsupported", f"type {v!r} is not supported here: "
+                                      f"expected one of {list(self.allowed)}")
+        return v
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler
+                                     ) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler
+                                     ) -> dict[str, Any]:
+        return {**handler(schema), "enum": list(self.allowed)}
+
+
+class Part(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # an echoed output's annotations, logprobs
+    type: Annotated[str, OneOf(("input_text", "output_text", "reasoning_text", "summary_text"))]
+    text: str
+
+
+def _or_text(schema: dict[str, Any]) -> None:
+    """Document what a text-or-list field's before-validator takes: a string, or the list."""
+    items = {k: schema.pop(k) for k in ("type", "items") if k in schema}
+    schema["anyOf"] = [{"type": "string"}, items]
+
+
+Parts = Annotated[list[Part], BeforeValidator(
+    lambda v: [{"type": "input_text", "text": v}] if isinstance(v, str) else v),
+    Field(json_schema_extra=_or_text)]
+
+
+NEEDS = {"function_call": ("call_id", "name"), "function_call_output": ("call_id",)}
+
+
+class InputItem(BaseModel):
+    """One `input` item; no `type` is a message (the SDK's EasyInputMessage). Items sent back
+    from an earlier output carry ids and statuses: ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Annotated[str, OneOf(("message", "function_call", "function_call_output",
+                                "reasoning"))] = "message"
+    role: Literal["user", "system", "developer", "assistant"] = "user"
+    content: Parts = Field(default_factory=list, description="text, or text parts")
+    call_id: str = ""
+    name: str = ""
+    arguments: str = "{}"
+    output: Parts = Field(default_factory=list, description="a function call's result")
+    summary: list[Part] = Field(default_factory=list)
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Annotated[str, OneOf(("function",))]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    type: Annotated[str, OneOf(("function",))]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Annotated[str, OneOf(("text", "json_object", "json_schema"))]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="false or absent: unsupported keywords "
+                                                  "are warnings, not a 400")
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = Field(None, description="only the default")
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    effort: str | None = Field(None, description="any but 'none' thinks before the answer")
+    summary: str | None = None
+
+
+def _other_fields(schema: dict[str, Any]) -> None:
+    """The document names the fields taken beyond the model's, and no others."""
+    props = schema["properties"]
+    props.update({k: {"description": "accepted and ignored"} for k in sorted(IGNORED)})
+    props.update({k: {"description": f"refused unless one of {list(noop)}: {why}"}
+                  for k, (noop, why) in NOOP.items()})
+    schema["additionalProperties"] = False
+
+
+class ResponsesRequest(BaseModel):
+    """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_other_fields)
+    model: str | None = None
+    input: Annotated[list[InputItem], BeforeValidator(
+        lambda v: [{"content": v}] if isinstance(v, str) else v)] = Field(
+        description="text, or a list of items", json_schema_extra=_or_text)
+    instructions: str | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "auto"
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=100, description="default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    reasoning: ReasoningConfig | None = None
+    stream: bool | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    top_k: int | None = Field(None, ge=0)
+    num_draft_tokens: int | None = Field(None, ge=0, le=16, description="0: plain decoding")
+    draft_masking: bool | None = None
+    prompt_lookup: bool | None = None
+    max_thinking_tokens: int | None = Field(None, ge=0, description="implies thinking")
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+REQUEST_BODIES = {PREFIX: ResponsesRequest}
+
+
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    """A 400 naming the first field that this server would otherwise silently ignore."""
+    for name, v in (body.model_extra or {}).items():
+        if name in IGNORED:
+            continue
+        if name not in NOOP:
+            raise bad_request(f"unknown parameter {name!r}", name, "unsupported_parameter")
+        noop, why = NOOP[name]
+        if not any(v is n or (type(v) is type(n) and v == n) for n in noop):
+            raise bad_request(f"{name}={v!r} is not supported: {why}", name,
+                              "unsupported_parameter")
+
+
+def messages(body: ResponsesRequest) -> tuple[Message, ...]:
+    """`instructions` and `input` as the conversation: developer is system, a reasoning item
+    is the next assistant turn's reasoning, calls join the assistant turn they follow."""
+    out = [Message("system", body.instructions)] if body.instructions else []
+    reasoning: str | None = None
+    names: dict[str, str] = {}  # call id -> tool name, for the results
+    for i, item in enumerate(body.input):
+        missing = [f for f in NEEDS.get(item.type, ()) if not getattr(item, f)]
+        if missing:
+            raise bad_request(f"a {item.type} item needs {' and '.join(missing)}",
+                              f"input[{i}].{missing[0]}")
+        if item.type == "reasoning":
+            reasoning = "".join(p.text for p in item.content or item.summary)
+        elif item.type == "function_call":
+            call, names[item.call_id] = ToolCall(item.call_id, item.name, item.arguments), item.name
+            if out and out[-1].role == "assistant" and reasoning is None:
+                out[-1] = replace(out[-1], tool_calls=out[-1].tool_calls + (call,))
+            else:
+                out.append(Message("assistant", reasoning=reasoning, tool_calls=(call,)))
+                reasoning = None
+        elif item.type == "function_call_output":
+            out.append(Message("tool", "".join(p.text for p in item.output),
+                               tool_call_id=item.call_id, name=names.get(item.call_id)))
+        else:
+            role = "system" if item.role == "developer" else item.role
+            mine = reasoning if role == "assistant" else None
+            out.append(Message(role, "".join(p.text for p in item.content), mine))
+            reasoning = None if role == "assistant" else reasoning
+    return tuple(out)
+
+
+def generate_request(body: ResponsesRequest) -> GenerateRequest:
+    """The protocol-neutral request (temperature defaults to 1, as OpenAI's does)."""
+    fmt, constraint = body.text.format if body.text else None, None
+    if fmt is not None and fmt.type == "json_object":
+        constraint = Constraint.json_object()
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise bad_request("json_schema needs a schema", "text.format.schema")
+        constraint = Constraint.json_schema(fmt.schema_, lenient=not fmt.strict)
+    choice: ToolChoice = (NamedTool(body.tool_choice.name)
+                          if isinstance(body.tool_choice, FunctionChoice) else body.tool_choice)
+    tools = tuple(Tool(t.name, t.description, strict=bool(t.strict), **(
+        {"parameters": t.parameters} if t.parameters is not None else {})) for t in body.tools)
+    effort = body.reasoning.effort if body.reasoning else None
+    budget = body.max_thinking_tokens
+    if effort == "none" and budget is not None:
+        raise bad_request("max_thinking_tokens asks for thinking and reasoning.effort 'none' "
+                          "turns it off", "reasoning.effort")
+    sampling = SamplingParams(1.0 if body.temperature is None else body.temperature,
+                              1.0 if body.top_p is None else body.top_p, body.top_k or 0,
+                              body.seed)
+    return GenerateRequest(
+        messages=messages(body), constraint=constraint, tools=tools, tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False, sampling=sampling,
+        max_tokens=body.max_output_tokens, thinking=effort not in (None, "none") or
+        budget is not None, thinking_budget=budget, reasoning_effort=effort,
+        spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
+        template_kwargs=body.chat_template_kwargs or {})
+
+
+def head(body: ResponsesRequest, run: Run, model: str) -> dict[str, Any]:
+    """The response object's fields that the output does not change (the request echoed)."""
+    fmt = body.text.format if body.text and body.text.format else None
+    choice = body.tool_choice
+    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": run.created,
+            "model": model, "instructions": body.instructions, "error": None,
+            "incomplete_details": None, "max_output_tokens": body.max_output_tokens,
+            "metadata": (body.model_extra or {}).get("metadata") or {},
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None, "store": False, "background": False,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None},
+            "temperature": run.request.sampling.temperature, "top_p": run.request.sampling.top_p,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
+                     else {"type": "text"}},
+            "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else choice,
+            "tools": [t.model_dump() for t in body.tools], "truncation": "disabled",
+            "output": [], "usage": None}
+
+
+@dataclass
+class Writer:
+    """One run's engine events -> the Responses stream's events, numbered; `items` is the
+    response's `output` so far (the item being written, `open`, is the last)."""
+
+    head: dict[str, Any]
+    run: Run
+    items: list[dict[str, Any]] = field(default_factory=list)
+    seq: int = 0
+    open: dict[str, Any] | None = None
+    call: int | None = None  # the open function_call item's ToolCallDelta index
+
+    def event(self, kind: str, **data: Any) -> Wire:
+        self.seq += 1  # data is copied: the items change as text arrives
+        return kind, {"type": kind, "sequence_number": self.seq - 1, **copy.deepcopy(data)}
+
+    def response(self, kind: str, status: str = "in_progress", **data: Any) -> Wire:
+        return self.event(kind, response={**self.head, "status": status, **data})
+
+    def feed(self, ev: Event) -> list[Wire]:
+        if isinstance(ev, ReasoningDelta):
+            return self._text("reasoning", ev.text)
+        if isinstance(ev, TextDelta):
+            return self._text("message", ev.text)
+        if isinstance(ev, ToolCallDelta):
+            return self._call(ev)
+        return self._finish(ev) if isinstance(ev, Finished) else self._fail(ev)
+
+    def _add(self, item: dict[str, Any]) -> list[Wire]:
+        self.items.append(item)
+        self.open = item
+        return [self.event("response.output_item.added", output_index=len(self.items) - 1,
+                           item=item)]
+
+    def _text(self, kind: str, text: str) -> list[Wire]:
+        prefix, item, part, name = KINDS[kind]
+        out, at = [], len(self.items) - 1
+        if self.open is None or self.open["type"] != kind:
+            out, at = self._close("completed"), len(self.items)
+            rid = f"{prefix}_{uuid.uuid4().hex}"
+            out += self._add({"id": rid, **copy.deepcopy(item), "status": "in_progress"})
+            out.append(self.event("response.content_part.added", item_id=rid,
+                                  output_index=at, content_index=0, part=part))
+            self.items[at]["content"].append(copy.deepcopy(part))
+        self.items[at]["content"][0]["text"] += text
+        return out + [self.event(f"{name}.delta", item_id=self.items[at]["id"], output_index=at,
+                                 content_index=0, delta=text, **_lp(kind))] if text else out
+
+    def _call(self, ev: ToolCallDelta) -> list[Wire]:
+        out = []
+        if self.call != ev.index:
+            out = self._close("completed") + self._add({
+                "id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": ev.id,
+                "name": ev.name, "arguments": "", "status": "in_progress"})
+            self.call = ev.index
+        self.items[-1]["arguments"] += ev.arguments
+        return out + [self.event("response.function_call_arguments.delta", delta=ev.arguments,
+                                 item_id=self.items[-1]["id"], output_index=len(self.items) - 1)]
+
+    def _close(self, status: str) -> list[Wire]:
+        item, at = self.open, len(self.items) - 1
+        if item is None:
+            return []
+        self.open, self.call, item["status"] = None, None, status
+        if item["type"] == "function_call":
+            out = [self.event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=at, name=item["name"], arguments=item["arguments"])]
+        else:
+            part = item["content"][0]
+            out = [self.event(f"{KINDS[item['type']][3]}.done", item_id=item["id"],
+                              output_index=at, content_index=0, text=part["text"],
+                              **_lp(item["type"])),
+                   self.event("response.content_part.done", item_id=item["id"],
+                              output_index=at, content_index=0, part=part)]
+        return out + [self.event("response.output_item.done", output_index=at, item=item)]
+
+    def _finish(self, ev: Finished) -> list[Wire]:
+        out = self._close("incomplete" if ev.finish_reason == "length" else "completed")
+        if ev.finish_reason == "stop" and not any(i["type"] == "message" for i in self.items):
+            out += self._text("message", "") + self._close("completed")  # an empty answer
+        u = ev.usage
+        done = {"output": self.items, "specdec": extension(self.run, ev.stats, ev.warnings),
+                "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                          "total_tokens": u.total_tokens,
+                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens or 0}}}
+        if ev.finish_reason == "length":
+            return out + [self.response("response.incomplete", "incomplete", **done,
+                                        incomplete_details={"reason": "max_output_tokens"})]
+        return out + [self.response("response.completed", "completed", **done,
+                                    completed_at=int(time.time()))]
+
+    def _fail(self, ev: Failed) -> list[Wire]:
+        # ResponseError.code is an enum of OpenAI's own codes: ours goes in `specdec`.
+        error = {**openai_body(ev.error, PARAMS)["error"], "code": "server_error",
+                 "message": message_of(ev.error)}
+        return self._close("incomplete") + [self.response(
+            "response.failed", "failed", output=self.items, error=error,
+            specdec={"code": ev.error.code})]
+
+
+RESPONSES: dict[int | str, dict[str, Any]] = {200: {
+    "description": "a Response object; with stream: true, its server-sent events "
+                   "(response.created ... response.completed / incomplete / failed)",
+    "content": {"application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}}}}, **GENERATE_RESPONSES}
+
+
+def error(e: SpecdecError) -> JSONResponse:
+    return openai_response(e, PARAMS)
+
+
+def router(door: Door) -> APIRouter:
+    api = APIRouter()
+
+    @api.post(PREFIX, response_model=None, responses=RESPONSES)
+    async def create(http: Request) -> Any:
+        body = await door.parse(http, ResponsesRequest)
+        refuse_unsupported(body)
+        door.check_model(body.model)
+        run = await door.open(generate_request(body), http)
+        w = Writer(head(body, run, door.model_name), run)
+        headers = warning_header(run.request.warnings)
+        if body.stream:
+            return StreamingResponse(_stream(w), media_type="text/event-stream",
+                                     headers=headers)
+        last: list[Wire] = []
+        async for ev in run.events():
+            if isinstance(ev, Failed):
+                raise ev.error
+            last = w.feed(ev)
+        if run.left or not last:  # the client went away: nobody to answer
+            return JSONResponse({"error": None}, status_code=499)
+        return JSONResponse(last[-1][1]["response"], headers=headers)
+
+    return api
+
+
+async def _stream(w: Writer) -> AsyncIterator[str]:
+    for kind in ("response.created", "response.in_progress"):
+        yield sse(*w.response(kind))
+    async for ev in w.run.events():
+        for name, data in w.feed(ev):
+            yield sse(name, data)
