@@ -1,0 +1,469 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the
+engine door: the wire models (the only parser), wire body -> `GenerateRequest`, and events ->
+a Message or its SSE events. Anthropic's field names live in this module only.
+
+The wire follows the `anthropic` SDK (2.15): structured output is `output_config.format`
+(`{"type": "json_schema", "schema"}`, what `messages.parse(output_format=Model)` sends),
+compiled strictly; the older beta's top-level `output_format` is taken too. Sampling fields
+(`temperature` (default 1.0, as Anthropic's), `top_p`, `top_k`) and our extensions (`seed`,
+`num_draft_tokens`, `draft_masking`, `prompt_lookup`) go in the body (`extra_body`).
+`thinking: {"type": "adaptive"}` thinks with the engine's default budget.
+
+Accepted and ignored (they do not change the output here): `metadata`, `service_tier`,
+`speed`, `inference_geo`, `cache_control` (top level, blocks, tools), `container`,
+`diagnostics`, `user_profile_id`, `workspace_id`, a tool's `eager_input_streaming`, text
+blocks' `citations`, `tool_result.is_error`, thinking blocks' `signature`, `display:
+"summarized"`; the `anthropic-version` / `anthropic-beta` headers. Any other field is a 400
+naming it. Refused with a 400: blocks other than text / tool_use / tool_result / thinking
+(`redacted_thinking`, images, documents, server-tool blocks), server tools, a trailing
+assistant turn (prefill), `thinking: {"type": "between_tools"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from specdec.errors import SpecdecError
+from specdec.events import (Event, Failed, Finished, ReasoningDelta, TextDelta,
+                            ToolCallDelta)
+from specdec.grammar import Constraint
+from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
+from specdec.sampling import SamplingParams
+
+from .door import Door, Run, extension, spec_overrides, sse, warning_header
+from .errors import anthropic_body, anthropic_response, bad_request
+
+PREFIX = "/v1/messages"
+# The engine's neutral parameter names -> this API's.
+PARAMS = {"messages": "messages", "constraint": "output_config.format",
+          "max_tokens": "max_tokens", "thinking": "thinking", "tools": "tools",
+          "tool_choice": "tool_choice", "stop": "stop_sequences",
+          "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+          "sampling.top_k": "top_k", "sampling.seed": "seed", "spec": "num_draft_tokens"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+CHOICES: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
+          "system": ("text",)}
+
+
+# -- the wire: requests -----------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # cache_control, citations, caller, ...
+
+
+def _as_blocks(v: Any, allowed: tuple[str, ...]) -> Any:
+    """A string is one text block; a block type we do not serve is refused by name (here,
+    so the error says which block, not which union member failed)."""
+    if isinstance(v, str):
+        return [{"type": "text", "text": v}]
+    for i, b in enumerate(v if isinstance(v, list) else ()):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if isinstance(kind, str) and kind not in allowed:
+            raise PydanticCustomError(
+                "unsupported_block", "block {i} is of type '{kind}', which this server does "
+                "not take here (only {allowed})", {"i": i, "kind": kind,
+                                                   "allowed": ", ".join(allowed)})
+    return v
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+TextBlocks = Annotated[list[TextBlock], BeforeValidator(  # the document says: string or blocks
+    lambda v: _as_blocks(v, ("text",)), json_schema_input_type=str | list[TextBlock])]
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: TextBlocks = []  # `is_error` is ignored: the text says what failed
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str  # its `signature` is ours to ignore: we made none
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                  Field(discriminator="type")]
+
+
+class Turn(_Strict):
+    role: Literal["user", "assistant", "system"]
+    content: list[Block]
+
+    @field_validator("content", mode="before", json_schema_input_type=str | list[Block])
+    @classmethod
+    def _content(cls, v: Any, info: ValidationInfo) -> Any:
+        return _as_blocks(v, BLOCKS.get(info.data.get("role", "user"), ()))
+
+
+class ToolDef(_Strict):
+    type: Literal["custom"] | None = None  # a server tool (`web_search_...`) is refused here
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool = False
+    cache_control: Any = None
+    eager_input_streaming: bool | None = None
+
+
+class ToolChoiceIn(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool": the tool to call
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self) -> "ToolChoiceIn":
+        if (self.type == "tool") != (self.name is not None):
+            raise PydanticCustomError("tool_choice", "type 'tool' takes the tool's name (and "
+                                      "no other type takes one)")
+        return self
+
+
+class ThinkingIn(_Strict):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)  # type "enabled": required
+    display: Literal["summarized", "omitted"] | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> "ThinkingIn":
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise PydanticCustomError("thinking", "type 'enabled' takes budget_tokens (and "
+                                      "no other type takes it)")
+        return self
+
+
+class JSONFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JSONFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class CountTokensBody(_Strict):
+    """What a prompt is made of: `POST /v1/messages/count_tokens`."""
+
+    model: str
+    messages: list[Turn] = Field(min_length=1)
+    system: TextBlocks = []
+    tools: list[ToolDef] = []
+    tool_choice: ToolChoiceIn | None = None
+    thinking: ThinkingIn | None = None
+    output_config: OutputConfig | None = None
+    output_format: JSONFormat | None = None  # the structured-outputs beta's spelling
+    # accepted, ignored: they do not change the output here
+    metadata: Any = None
+    cache_control: Any = None
+    container: Any = None
+    diagnostics: Any = None
+    inference_geo: str | None = None
+    service_tier: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+class MessagesBody(CountTokensBody):
+    """`POST /v1/messages`: a conversation to answer."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] = []
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    # our extensions
+    seed: int | None = Field(None, ge=0)
+    num_draft_tokens: int | None = Field(None, ge=0)
+    draft_masking: bool | None = None
+    prompt_lookup: bool | None = None
+
+
+REQUEST_BODIES: dict[str, type[BaseModel]] = {PREFIX: MessagesBody,
+                                              PREFIX + "/count_tokens": CountTokensBody}
+
+
+# -- wire body -> the neutral request ---------------------------------------------------------
+def _text(blocks: list[TextBlock]) -> str:
+    return "".join(b.text for b in blocks)
+
+
+def conversation(body: CountTokensBody) -> tuple[Message, ...]:
+    """The turns: a user turn's `tool_result`s become tool turns (in their place among its
+    text), an assistant turn's `thinking` its reasoning and its `tool_use`s its calls."""
+    out = [Message("system", _text(body.system))] if body.system else []
+    names: dict[str, str] = {}  # tool_use id -> name, for the tool turns answering it
+    for turn in body.messages:
+        texts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCall] = []
+        for b in turn.content:
+            if isinstance(b, ToolResultBlock):
+                if texts:
+                    out.append(Message("user", "".join(texts)))
+                    texts = []
+                out.append(Message("tool", _text(b.content), tool_call_id=b.tool_use_id,
+                                   name=names.get(b.tool_use_id)))
+            elif isinstance(b, ToolUseBlock):
+                names[b.id] = b.name
+                calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
+            elif isinstance(b, ThinkingBlock):
+                reasoning.append(b.thinking)
+            else:
+                texts.append(b.text)
+        if texts or calls or reasoning or not turn.content:
+            out.append(Message(turn.role, "".join(texts),
+                               reasoning="".join(reasoning) if reasoning else None,
+                               tool_calls=tuple(calls)))
+    return tuple(out)
+
+
+def _tool_choice(body: CountTokensBody) -> tuple[ToolChoice, bool]:
+    """Anthropic's choice as (choice, parallel calls allowed); no choice means auto."""
+    c = body.tool_choice
+    if c is None:
+        return "auto", True
+    choice = CHOICES[c.type] if c.name is None else NamedTool(c.name)
+    return choice, not c.disable_parallel_tool_use
+
+
+def prompt_request(body: CountTokensBody) -> GenerateRequest:
+    """What makes the prompt and constrains the output (all count_tokens takes).
+
+    Raises:
+        WireError: 400 for what this server does not do (prefill, both output formats).
+    """
+    if body.messages[-1].role == "assistant":
+        raise bad_request("messages: the last turn is the assistant's (prefill), which this "
+                          "server does not continue; end with a user turn", "messages",
+                          "unsupported_parameter")
+    config = body.output_config or OutputConfig()
+    if body.output_format is not None and config.format is not None:
+        raise bad_request("give output_config.format or output_format, not both",
+                          "output_format")
+    fmt = body.output_format or config.format
+    choice, parallel = _tool_choice(body)
+    think = body.thinking
+    return GenerateRequest(
+        messages=conversation(body),
+        constraint=Constraint.json_schema(fmt.schema_, lenient=False) if fmt else None,
+        tools=tuple(Tool(t.name, t.description, t.input_schema, t.strict)
+                    for t in body.tools),
+        tool_choice=choice, parallel_tool_calls=parallel,
+        thinking=think is not None and think.type != "disabled",
+        thinking_budget=think.budget_tokens if think is not None else None,
+        reasoning_effort=config.effort)
+
+
+def to_request(body: MessagesBody) -> GenerateRequest:
+    """The neutral request a Messages body means (Anthropic's temperature default: 1.0)."""
+    return dataclasses.replace(
+        prompt_request(body),
+        sampling=SamplingParams(1.0 if body.temperature is None else body.temperature,
+                                1.0 if body.top_p is None else body.top_p, body.top_k or 0,
+                                body.seed),
+        max_tokens=body.max_tokens, stop=tuple(body.stop_sequences),
+        spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup))
+
+
+# -- events -> the wire -----------------------------------------------------------------------
+SSEEvent = tuple[str, dict[str, Any]]  # (event name, data)
+BlockKey = str | tuple[str, int]  # "thinking", "text" or ("tool_use", call index)
+
+
+@dataclasses.dataclass
+class Blocks:
+    """Folds a request's events into the Message's content blocks and the SSE events that
+    build them: the one code path behind both the streamed and the whole response, so the
+    two can never disagree."""
+
+    omit_thinking: bool = False  # `display: "omitted"`: the block is sent, its text not
+    content: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    key: BlockKey | None = None  # the open block
+    args: list[str] = dataclasses.field(default_factory=list)  # the open tool_use's input JSON
+
+    def _open(self, key: BlockKey, block: dict[str, Any]) -> list[SSEEvent]:
+        if key == self.key:
+            return []
+        out = self.close()
+        self.key, self.args = key, []
+        self.content.append(block)
+        return out + [("content_block_start", {"type": "content_block_start",
+                                               "index": len(self.content) - 1,
+                                               "content_block": dict(block)})]
+
+    def _delta(self, delta: dict[str, Any]) -> SSEEvent:
+        return ("content_block_delta", {"type": "content_block_delta",
+                                        "index": len(self.content) - 1, "delta": delta})
+
+    def feed(self, ev: Event) -> list[SSEEvent]:
+        """The SSE events one engine event makes (`Finished` closes the open
+        block; the caller adds `message_delta` and `message_stop`)."""
+        if isinstance(ev, ReasoningDelta):
+            out = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            if ev.text and not self.omit_thinking:
+                self.content[-1]["thinking"] += ev.text
+                out.append(self._delta({"type": "thinking_delta", "thinking": ev.text}))
+            return out
+        if isinstance(ev, TextDelta):
+            out = self._open("text", {"type": "text", "text": ""})
+            self.content[-1]["text"] += ev.text
+            return out + [self._delta({"type": "text_delta", "text": ev.text})]
+        if isinstance(ev, ToolCallDelta):
+            out = self._open(("tool_use", ev.index), {"type": "tool_use", "id": tool_id(ev.id),
+                                                      "name": ev.name, "input": {}})
+            self.args.append(ev.arguments)
+            return out + [self._delta({"type": "input_json_delta",
+                                       "partial_json": ev.arguments})]
+        return self.close() if isinstance(ev, Finished) else []
+
+    def close(self) -> list[SSEEvent]:
+        if self.key is None:
+            return []
+        out: list[SSEEvent] = []
+        block = self.content[-1]
+        if block["type"] == "thinking":  # the SDK sets the block's signature from this
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+        elif block["type"] == "tool_use":
+            block["input"] = json.loads("".join(self.args) or "{}")
+        self.key = None
+        return out + [("content_block_stop", {"type": "content_block_stop",
+                                              "index": len(self.content) - 1})]
+
+
+def tool_id(call_id: str) -> str:
+    """Anthropic's spelling of a call id (`toolu_...`)."""
+    return "toolu_" + call_id.removeprefix("call_").removeprefix("toolu_")
+
+
+def stop_of(ev: Finished) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): a stop string's end is told by `Finished.stop_sequence`
+    where the engine reports it."""
+    seq = ev.stop_sequence
+    return ("stop_sequence", seq) if seq else (STOP_REASONS[ev.finish_reason], None)
+
+
+def usage(ev: Finished) -> dict[str, Any]:
+    u: dict[str, Any] = {"input_tokens": ev.usage.prompt_tokens,
+                         "output_tokens": ev.usage.completion_tokens}
+    if ev.usage.reasoning_tokens is not None:
+        u["output_tokens_details"] = {"thinking_tokens": ev.usage.reasoning_tokens}
+    return u
+
+
+def message(msg_id: str, run: Run, content: list[dict[str, Any]],
+            done: Finished | None) -> dict[str, Any]:
+    """The Message object (`done` None: the stream's opening one, empty and unfinished)."""
+    reason, seq = stop_of(done) if done else (None, None)
+    body: dict[str, Any] = {
+        "id": msg_id, "type": "message", "role": "assistant", "model": run.door.model_name,
+        "content": content, "stop_reason": reason, "stop_sequence": seq,
+        "usage": usage(done) if done else {"input_tokens": len(run.request.prompt_ids),
+                                           "output_tokens": 0}}
+    if done is not None:
+        body["specdec"] = extension(run, done.stats, done.warnings)
+    return body
+
+
+async def _stream(run: Run, msg_id: str, blocks: Blocks) -> AsyncIterator[str]:
+    yield sse("message_start", {"type": "message_start",
+                                "message": message(msg_id, run, [], None)})
+    yield sse("ping", {"type": "ping"})
+    async for ev in run.events():
+        if isinstance(ev, Failed):  # mid-stream: Anthropic's error event, then the end
+            yield sse("error", anthropic_body(ev.error, PARAMS))
+            return
+        for name, data in blocks.feed(ev):
+            yield sse(name, data)
+        if isinstance(ev, Finished):
+            reason, seq = stop_of(ev)
+            yield sse("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                "usage": usage(ev), "specdec": extension(run, ev.stats, ev.warnings)})
+            yield sse("message_stop", {"type": "message_stop"})
+
+
+# -- the routes -------------------------------------------------------------------------------
+_ERROR = {"description": "Anthropic's error shape", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"],
+                                              "properties": {"type": {"type": "string"},
+                                                             "message": {"type": "string"}}}}}}}}
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "a Message; with stream: true, its server-sent events",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **{c: _ERROR for c in (400, 401, 404, 413, 503, 504)}}
+
+
+def error(e: SpecdecError) -> JSONResponse:
+    """Any error under `PREFIX`, in Anthropic's shape."""
+    return anthropic_response(e, PARAMS)
+
+
+def router(door: Door) -> APIRouter:
+    r = APIRouter()
+
+    @r.post(PREFIX, response_model=None, responses=RESPONSES)
+    async def create(http: HTTPRequest) -> Response:
+        body = await door.parse(http, MessagesBody)
+        door.check_model(body.model)
+        run = await door.open(to_request(body), http)
+        msg_id = "msg_" + uuid.uuid4().hex[:24]
+        blocks = Blocks(omit_thinking=body.thinking is not None
+                        and body.thinking.display == "omitted")
+        headers = {"request-id": msg_id, **warning_header(run.request.warnings)}
+        if body.stream:
+            return StreamingResponse(_stream(run, msg_id, blocks), headers=headers,
+                                     media_type="text/event-stream")
+        done: Finished | None = None
+        async for ev in run.events():
+            if isinstance(ev, Failed):
+                raise ev.error
+            blocks.feed(ev)
+            done = ev if isinstance(ev, Finished) else done
+        if done is None:  # the client went away: nobody to answer (499: client closed)
+            return Response(status_code=499)
+        return JSONResponse(message(msg_id, run, blocks.content, done), headers=headers)
+
+    @r.post(PREFIX + "/count_tokens", responses={c: _ERROR for c in (400, 401, 404, 413)})
+    async def count_tokens(http: HTTPRequest) -> dict[str, int]:
+        body = await door.parse(http, CountTokensBody)
+        door.check_model(body.model)
+        greq = prompt_request(body)
+        if greq.tools and greq.tool_choice == "auto" and greq.constraint is None:
+            # "auto" is not served yet; a forced call's prompt shows the same tools
+            greq = dataclasses.replace(greq, tool_choice="required")
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(door.pool, door.engine.prepare, greq)
+        return {"input_tokens": len(req.prompt_ids)}
+
+    return r
