@@ -99,10 +99,7 @@ class Door:
             return model.model_validate(body)
         except ValidationError as e:
             err = e.errors()[0]
-            loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith(
-                ("function-", "tagged-union", "literal", "list[", "str", "int")))]
-            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
-            path = path.lstrip(".")
+            path = field_path(body, err["loc"])
             raise bad_request(f"{path}: {err['msg']}" if path else err["msg"],
                               path or None) from None
 
@@ -164,6 +161,23 @@ class Run:
                     return
         finally:
             self.stream.cancel()  # a no-op when done; stops the engine when the client left
+
+
+def field_path(body: Any, loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the field path in the body (`input[0].content[1]`):
+    the parts pydantic adds that are not in the body (a union member's name, a tagged
+    union's tag value, a validator's name) are left out, by walking the body itself."""
+    out, at = "", body
+    for p in loc:
+        if isinstance(p, int) and isinstance(at, list) and 0 <= p < len(at):
+            out, at = out + f"[{p}]", at[p]
+        elif isinstance(p, str) and isinstance(at, dict) and p in at:
+            out, at = out + f".{p}", at[p]
+        elif isinstance(p, str) and "[" not in p and isinstance(at, dict) and not any(
+                isinstance(q, str) and q in at for q in loc[loc.index(p):]):
+            out += f".{p}"  # a missing field: the walk ends here
+            break
+    return out.lstrip(".")
 
 
 def _depth(x: Any) -> int:

@@ -46,7 +46,9 @@ def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
     if e.param in params:
         return params[e.param]
     head, _, rest = e.param.partition(".")
-    return params[head] + ("." + rest if rest else "") if head in params else rest or head
+    if head in params and params[head]:
+        return params[head] + ("." + rest if rest else "")
+    return rest or head
 
 
 def headers_of(e: SpecdecError) -> dict[str, str]:

@@ -2,10 +2,10 @@
 
 The chat handlers parse bodies themselves (`protocol.py`: every bad field is a 400 in
 OpenAI's error shape, and the body-size and nesting limits apply before parsing), so these
-pydantic models only document what those endpoints take and give back: `openapi()` puts them into the
-app's OpenAPI document, which clients, generators and the fuzz tests read. Extra request
-fields are allowed (OpenAI clients send `user`, `metadata`, `store`, ...): the ones that would
-change the output are refused by name (`protocol.UNIMPLEMENTED`).
+pydantic models only document what those endpoints take and give back: `openapi()` puts
+them into the app's OpenAPI document, which clients, generators and the fuzz tests read.
+Extra request fields are allowed (OpenAI clients send `user`, `metadata`, `store`, ...):
+the ones that would change the output are refused by name (`protocol.UNIMPLEMENTED`).
 """
 
 from __future__ import annotations
@@ -41,13 +41,31 @@ class UserMessage(_Open):
     name: str | None = None
 
 
+class CalledFunction(_Open):
+    name: str
+    arguments: str = Field(description="JSON text")
+
+
+class CallInHistory(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantTurn(_Open):
     role: Literal["assistant"]
     content: Content | None = Field(None, description="text, a list of text parts, or null")
     name: str | None = None
+    tool_calls: list[CallInHistory] | None = None
 
 
-ChatMessage = Annotated[SystemMessage | UserMessage | AssistantTurn,
+class ToolResult(_Open):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantTurn | ToolResult,
                         Field(discriminator="role")]
 
 
@@ -123,7 +141,8 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "required", "auto"] | NamedToolChoice | None = Field(
-        None, description="'auto' is refused (400): give 'required' or a named function")
+        None, description="'auto' (the default with tools) is refused (400) for now: give "
+                          "'required' or a named function")
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -323,7 +342,10 @@ def openapi(app: Any, bodies: dict[str, type[BaseModel]], vocab_size: int | None
     for path, model in bodies.items():
         js = model.model_json_schema(ref_template="#/components/schemas/{model}",
                                      by_alias=True)
-        components.update(js.pop("$defs", {}))
+        defs = js.pop("$defs", {})
+        clash = [k for k, v in defs.items() if components.get(k, v) != v]
+        assert not clash, f"two request models define components {clash} differently"
+        components.update(defs)
         components[model.__name__] = js
         doc["paths"][path]["post"]["requestBody"] = {
             "required": True, "content": {"application/json": {

@@ -171,7 +171,9 @@ def test_content_parts_and_null_assistant_content_are_accepted(server):
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "messages[0].content"),
     ([{"role": "user", "content": None}], "messages[0].content"),
-    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"}], "messages[1].role"),
+    # A tool result in the history: not rendered yet (an engine 400 naming the message).
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "1", "tool_call_id": "c"}],
+     "messages[1]"),
 ])
 def test_bad_messages_are_a_400_naming_the_message(server, messages, param):
     r = post(server, {"messages": messages, "max_tokens": 3})

@@ -3,8 +3,8 @@ generated from the documented request shapes (valid ones, and invalid ones: wron
 out-of-range values, missing fields), sent over loopback to `specdec serve`.
 
 Checks on every response: no 5xx; the status code is one the document lists; the content type
-is a documented one; a JSON body matches the documented response schema (errors: OpenAI's
-shape); invalid requests are refused (4xx), never answered as if valid.
+is a documented one; a JSON body matches the documented response schema (errors: each
+API's own shape); invalid requests are refused (4xx), never answered as if valid.
 
 The server runs a tiny random-weight model (tests/families.py) so each generated request
 decodes quickly; the API surface, parsing and error paths under test are the same for every
@@ -55,9 +55,10 @@ def test_document_describes_every_endpoint(api, server):
 
     doc = httpx.get(server.url + "/openapi.json").json()
     ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
+    generate = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
     assert ops == {("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
-                   ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")}
-    for path in ("/v1/chat/completions", "/v1/completions"):
+                   ("POST", "/v1/messages/count_tokens"), *(("POST", p) for p in generate)}
+    for path in generate:
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"].startswith("#/components/schemas/")
         assert {"200", "400"} <= set(doc["paths"][path]["post"]["responses"])

@@ -1,0 +1,171 @@
+"""The same guarantees on every API: one constrained request through Chat Completions,
+Responses and Messages, streamed and not, thinking and not, gives the tokens of the same
+request through Chat Completions with speculation off, and every answer validates.
+
+In process (httpx's ASGI transport against the real app and engine), on the reference BLAS
+where equality is promised: a small random-weight Qwen 3 (think tokens, a template whose
+prompt opens the think block and that has a no-think switch) with an unrelated draft of the
+same tokenizer, so speculation proposes, is rejected and recovers. The tokens each request
+produced are read off the engine's own `Finished` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from specdec import blas
+from specdec.engine import Engine
+from specdec.events import Finished
+from specdec.models import load
+from tests.families import make_family
+
+TEMPLATES = Path(__file__).parent / "templates"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+PROMPT = "Extract the fields as JSON: Ada, 36."
+MAX_TOKENS, BUDGET = 60, 12
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from server.app import create_app
+    from server.door import ServeConfig
+
+    root = tmp_path_factory.mktemp("apis")
+    template = (TEMPLATES / "qwen3_style.jinja").read_text()
+    target = load(str(make_family("qwen3", root / "t", think=True, scale=1.0,
+                                  template=template)))
+    draft = load(str(make_family("qwen3", root / "d", seed=1, think=True, scale=1.0,
+                                 template=template)))
+    engine = Engine(target, draft)
+    tokens: list[tuple[int, ...]] = []
+    output = engine.output
+
+    def spy(req, sink):
+        def record(ev):
+            if isinstance(ev, Finished):
+                tokens.append(ev.tokens)
+            sink(ev)
+        return output(req, record)
+
+    engine.output = spy  # type: ignore[method-assign]
+    yield create_app(engine, ServeConfig()), tokens
+    engine.close()
+
+
+def body_of(api: str, thinking: bool, stream: bool, plain: bool = False) -> tuple[str, dict]:
+    msgs = [{"role": "user", "content": PROMPT}]
+    if api == "chat":
+        b = {"messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+             "response_format": {"type": "json_schema", "json_schema": {
+                 "name": "person", "schema": SCHEMA, "strict": True}}}
+        if thinking:
+            b["max_thinking_tokens"] = BUDGET
+        if plain:
+            b["num_draft_tokens"] = 0
+        return "/v1/chat/completions", b
+    if api == "responses":
+        b = {"model": "default", "input": PROMPT, "max_output_tokens": MAX_TOKENS,
+             "temperature": 0, "stream": stream, "text": {"format": {
+                 "type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}}}
+        if thinking:
+            b["reasoning"] = {"effort": "low"}
+            b["max_thinking_tokens"] = BUDGET
+        return "/v1/responses", b
+    b = {"model": "default", "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0,
+         "stream": stream, "output_format": {"type": "json_schema", "schema": SCHEMA}}
+    if thinking:
+        b["thinking"] = {"type": "enabled", "budget_tokens": BUDGET}
+    return "/v1/messages", b
+
+
+def sse_events(text: str) -> list[tuple[str | None, dict]]:
+    out = []
+    for block in text.split("\n\n"):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:") and line[5:].strip() != "[DONE]":
+                data = json.loads(line[5:])
+        if data is not None:
+            out.append((name or data.get("type"), data))
+    return out
+
+
+def answer_of(api: str, r: httpx.Response, stream: bool) -> tuple[str, str]:
+    """(reasoning, answer) as the API's client would assemble them."""
+    reasoning, answer = "", ""
+    if not stream:
+        d = r.json()
+        if api == "chat":
+            m = d["choices"][0]["message"]
+            return m.get("reasoning_content") or "", m["content"]
+        if api == "responses":
+            for item in d["output"]:
+                for part in item.get("content") or []:
+                    if item["type"] == "reasoning":
+                        reasoning += part["text"]
+                    elif part["type"] == "output_text":
+                        answer += part["text"]
+            return reasoning, answer
+        for block in d["content"]:
+            if block["type"] == "thinking":
+                reasoning += block["thinking"]
+            elif block["type"] == "text":
+                answer += block["text"]
+        return reasoning, answer
+    for name, d in sse_events(r.text):
+        if api == "chat":
+            for ch in d.get("choices", []):
+                reasoning += ch["delta"].get("reasoning_content") or ""
+                answer += ch["delta"].get("content") or ""
+        elif api == "responses":
+            if name == "response.output_text.delta":
+                answer += d["delta"]
+            elif name == "response.reasoning_text.delta":
+                reasoning += d["delta"]
+        elif name == "content_block_delta":
+            delta = d["delta"]
+            answer += delta.get("text", "") if delta["type"] == "text_delta" else ""
+            reasoning += delta.get("thinking", "") if delta["type"] == "thinking_delta" else ""
+    return reasoning, answer
+
+
+@pytest.mark.skipif(blas.active() != "reference", reason="equality is promised on the "
+                    "reference BLAS only")
+@pytest.mark.parametrize("thinking", [False, True], ids=["answer", "think-then-answer"])
+def test_every_api_streamed_or_not_gives_plain_chat_completions_tokens(served, thinking):
+    app, tokens = served
+
+    async def go():
+        got = {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=300) as c:
+            path, body = body_of("chat", thinking, False, plain=True)
+            r = await c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            got["plain"] = (tokens[-1], answer_of("chat", r, False))
+            for api in ("chat", "responses", "messages"):
+                for stream in (False, True):
+                    path, body = body_of(api, thinking, stream)
+                    r = await c.post(path, json=body)
+                    assert r.status_code == 200, (api, stream, r.text)
+                    got[api, stream] = (tokens[-1], answer_of(api, r, stream))
+        return got
+
+    got = asyncio.run(go())
+    want_tokens, (want_reasoning, want_answer) = got.pop("plain")
+    jsonschema.validate(json.loads(want_answer), SCHEMA)
+    assert bool(want_reasoning) == thinking
+    for cell, (toks, (reasoning, answer)) in got.items():
+        assert toks == want_tokens, cell
+        assert (reasoning, answer) == (want_reasoning, want_answer), cell

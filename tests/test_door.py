@@ -1,0 +1,164 @@
+"""The one door (`Engine.submit` → events, `output.Output`): every caller gets the same
+tokens, finish reason, usage and logprobs, because they are computed in one place.
+
+Unit tests drive `Output` with a hand-made decoder (a stop string that cuts a token in the
+middle, reasoning split from the answer, a tool call cut by max_tokens); the integration test
+runs the same request through the CLI (a subprocess) and the server app (in process) on the
+embedded model and compares everything they report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
+                            ToolCallDelta)
+from specdec.output import Output
+from specdec.reasoning import Thinking
+from specdec.request import GenerateRequest, Message
+from specdec.sampling import SamplingParams
+from specdec.speculative import SpecStats
+
+VOCAB = {1: "ab", 2: "cd", 3: "ef", 4: "<think>", 5: "</think>", 6: "\n\n", 7: "{\"name\": ",
+         8: "\"f\", ", 9: "\"arguments\": {}}", 10: "gh"}
+
+
+def decode(ids):
+    return "".join(VOCAB[i] for i in ids)
+
+
+def run_output(tokens, **kw):
+    events = []
+    out = Output(decode, events.append, prompt_tokens=3, **kw)
+    for i, t in enumerate(tokens):
+        if out.feed(t, TokenLogprob(t, -0.1 * (i + 1))):
+            break
+    out.finish("length", SpecStats(), 1.0)
+    return events
+
+
+def test_a_stop_string_that_cuts_a_token_keeps_the_tokens_its_text_begins_in():
+    # "abcdef" with stop "de": the content is "abc"; token 2 ("cd") begins inside it and is
+    # counted (usage, logprobs, tokens); token 3 ("ef") lies wholly after the cut.
+    events = run_output([1, 2, 3, 10], stop=("de",))
+    done = events[-1]
+    assert isinstance(done, Finished)
+    assert (done.text, done.finish_reason, done.stop_sequence) == ("abc", "stop", "de")
+    assert done.tokens == (1, 2) and done.usage.completion_tokens == 2
+    assert [e.token for e in done.logprobs] == [1, 2]
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas) == "abc"
+    assert [t for d in deltas for t in d.tokens] == [1, 2]
+    assert [e.token for d in deltas for e in d.logprobs] == [1, 2]
+
+
+def test_a_stop_string_at_a_token_boundary_drops_the_tokens_after_it():
+    done = run_output([1, 2, 3], stop=("cd",))[-1]
+    assert (done.text, done.tokens, done.usage.completion_tokens) == ("ab", (1,), 1)
+
+
+def test_reasoning_and_answer_arrive_as_their_own_deltas_and_join_to_the_final_split():
+    events = run_output([4, 1, 2, 5, 6, 3, 10], thinking=Thinking("</think>", "<think>"),
+                        reasoning_tokens=lambda toks, th: 4)
+    done = events[-1]
+    assert (done.reasoning, done.text) == ("abcd", "efgh")
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == "abcd"
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "efgh"
+    assert done.usage.reasoning_tokens == 4 and done.usage.completion_tokens == 7
+
+
+def test_a_tool_call_is_reported_once_complete_and_never_half_written():
+    whole = Output(decode, (got := []).append, tool_mode=True)
+    for t in (7, 8, 9):
+        whole.feed(t)
+    whole.finish("stop", SpecStats(), 1.0)
+    calls = [e for e in got if isinstance(e, ToolCallDelta)]
+    assert len(calls) == 1 and (calls[0].name, json.loads(calls[0].arguments)) == ("f", {})
+    assert got[-1].finish_reason == "tool_calls" and got[-1].text == ""
+    assert not [e for e in got if isinstance(e, TextDelta)]
+    cut = run_output([7, 8], tool_mode=True)  # max_tokens ran out mid-call
+    assert cut[-1].finish_reason == "length" and cut[-1].tool_calls == () and \
+        cut[-1].text == "" and len(cut) == 1
+
+
+def test_a_failed_request_ends_with_failed(engine):
+    from specdec.errors import SpecdecError
+
+    stream = engine.submit(engine.prepare(GenerateRequest(
+        messages=(Message("user", "hi"),), max_tokens=2)))
+    events = list(stream)
+    assert isinstance(events[-1], Finished)
+    events = []
+    Output(decode, events.append).fail(SpecdecError("boom"))
+    assert isinstance(events[0], Failed)
+
+
+def _mid_token_stop(engine, req):
+    """A stop string that begins in the middle of an output token (its second character)
+    and does not occur earlier, and the content the stop leaves."""
+    free = engine.generate(engine.prepare(req))
+    tok = engine.target.tokenizer
+    texts = [tok.decode([t], skip_special_tokens=False) for t in free.tokens]
+    text = "".join(texts)
+    at = 0
+    for i, t in enumerate(texts[:-1]):
+        stop = t[1:] + texts[i + 1][:1]
+        if len(t) >= 2 and t.isascii() and text.find(stop) == at + 1:
+            return stop, text[:at + 1], i + 1
+        at += len(t)
+    pytest.skip("no token fit for a mid-token stop in this output")
+
+
+@pytest.mark.model
+def test_cli_and_server_give_the_same_tokens_usage_and_logprobs_with_a_mid_token_stop(
+        engine):
+    from server.app import create_app
+    from server.door import ServeConfig
+
+    prompt = "Write one sentence about the sea."
+    base = GenerateRequest(messages=(Message("user", prompt),), max_tokens=24,
+                           sampling=SamplingParams(), logprobs=2, spec=None)
+    stop, content, n_tokens = _mid_token_stop(engine, base)
+    cli = subprocess.run([sys.executable, "-m", "specdec", "generate", "--prompt", prompt,
+                          "--max-tokens", "24", "--temperature", "0", "--stop", stop,
+                          "--draft-model", "none", "--stats", "--logprobs", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    stats = json.loads(cli.stderr.strip().splitlines()[-1])
+    assert cli.stdout[:-1] == content  # print() adds the newline
+
+    async def ask():
+        app = create_app(engine, ServeConfig())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as c:
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                "temperature": 0, "stop": [stop], "logprobs": True, "top_logprobs": 2,
+                "num_draft_tokens": 0}, timeout=300)
+        return r
+
+    r = asyncio.run(ask())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == content
+    assert choice["finish_reason"] == stats["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == stats["usage"]["completion_tokens"] == \
+        len(stats["tokens"]) == n_tokens
+    assert body["usage"]["prompt_tokens"] == stats["usage"]["prompt_tokens"]
+    served = choice["logprobs"]["content"]
+    tok = engine.target.tokenizer
+    assert [e["token"] for e in served] == [tok.decode([t], skip_special_tokens=False)
+                                            for t in stats["tokens"]]
+    assert [e["logprob"] for e in served] == [lp for _, lp, _ in stats["logprobs"]]
+    assert [[a["logprob"] for a in e["top_logprobs"]] for e in served] == \
+        [[b for _, b in top] for _, _, top in stats["logprobs"]]
+    # The logprob tokens join to the content, then the cut token's rest (inside the stop).
+    joined = "".join(e["token"] for e in served)
+    assert joined.startswith(content) and stop.startswith(joined[len(content):])
