@@ -8,11 +8,13 @@ one exception handler that answers every error in the shape of the API whose pat
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,10 +43,6 @@ def api_of(path: str) -> Any:
 def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
     """The ASGI app serving `engine` (its scheduler started with `config`'s batch, queue and
     time limits)."""
-    app = FastAPI(title="specdec")
-    bodies = {p: m for api in APIS for p, m in api.REQUEST_BODIES.items()}
-    app.openapi = lambda: openapi(app, bodies, engine.target.vocab_size)  # type: ignore
-
     def lost(e: Exception) -> None:
         """A sharded target lost a rank: the requests have failed; exit non-zero once their
         error responses are out (a follower exits too; the launcher reports it)."""
@@ -59,6 +57,15 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
                  publish=ch.publish if ch is not None else None, on_fatal=lost)
     metrics = Metrics()
     door = Door(engine, config, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        door.close()
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    bodies = {p: m for api in APIS for p, m in api.REQUEST_BODIES.items()}
+    app.openapi = lambda: openapi(app, bodies, engine.target.vocab_size)  # type: ignore
     app.state.door, app.state.metrics = door, metrics
 
     @app.exception_handler(SpecdecError)
@@ -107,11 +114,6 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
 
     for api in APIS:
         app.include_router(api.router(door))
-
-    @app.on_event("shutdown")
-    def _stop() -> None:
-        door.close()
-
     return app
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from specdec import blas
 from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
                             ToolCallDelta)
 from specdec.output import Output
@@ -128,7 +130,8 @@ def test_cli_and_server_give_the_same_tokens_usage_and_logprobs_with_a_mid_token
     cli = subprocess.run([sys.executable, "-m", "specdec", "generate", "--prompt", prompt,
                           "--max-tokens", "24", "--temperature", "0", "--stop", stop,
                           "--draft-model", "none", "--stats", "--logprobs", "2"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPECDEC_BLAS": blas.active()})  # as this process
     assert cli.returncode == 0, cli.stderr
     stats = json.loads(cli.stderr.strip().splitlines()[-1])
     assert cli.stdout[:-1] == content  # print() adds the newline
