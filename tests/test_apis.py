@@ -169,3 +169,37 @@ def test_every_api_streamed_or_not_gives_plain_chat_completions_tokens(served, t
     for cell, (toks, (reasoning, answer)) in got.items():
         assert toks == want_tokens, cell
         assert (reasoning, answer) == (want_reasoning, want_answer), cell
+
+
+def test_a_think_only_template_without_thinking_is_a_400_on_every_api(tmp_path):
+    # The template opens a think block for the reply and has no switch to turn it off: a
+    # constraint from the first token could never let it close, so every API refuses, in its
+    # own error shape, naming the field that asks for thinking.
+    from server.app import create_app
+    from server.door import ServeConfig
+
+    template = (TEMPLATES / "r1_style.jinja").read_text()
+    engine = Engine(load(str(make_family("qwen3", tmp_path / "r1", think=True, scale=1.0,
+                                         template=template))))
+    app = create_app(engine, ServeConfig())
+
+    async def go():
+        out = {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=300) as c:
+            for api in ("chat", "responses", "messages"):
+                path, body = body_of(api, False, False)
+                out[api] = await c.post(path, json=body)
+        return out
+
+    try:
+        got = asyncio.run(go())
+    finally:
+        engine.close()
+    for api, r in got.items():
+        assert r.status_code == 400, (api, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "reasoning_conflict" and "no switch" in err["message"], api
+    assert got["chat"].json()["error"]["param"] == "messages"
+    assert got["responses"].json()["error"]["param"] == "input"
+    assert got["messages"].json()["type"] == "error"
