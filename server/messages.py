@@ -1,6 +1,6 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the
-engine door: the wire models (the only parser), wire body -> `GenerateRequest`, and events ->
-a Message or its SSE events. Anthropic's field names live in this module only.
+engine door: wire body (`messages_wire`, the only parser) -> `GenerateRequest`, and events ->
+a Message or its SSE events. Anthropic's field names live in these two modules only.
 
 The wire follows the `anthropic` SDK (2.15): structured output is `output_config.format`
 (`{"type": "json_schema", "schema"}`, what `messages.parse(output_format=Model)` sends),
@@ -26,14 +26,12 @@ import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
-                      field_validator, model_validator)
-from pydantic_core import PydanticCustomError
+from pydantic import (BaseModel)
 
 from specdec.errors import SpecdecError
 from specdec.events import (Event, Failed, Finished, ReasoningDelta, TextDelta,
@@ -44,6 +42,8 @@ from specdec.sampling import SamplingParams
 
 from .door import Door, Run, extension, spec_overrides, sse, warning_header
 from .errors import anthropic_body, anthropic_response, bad_request
+from .messages_wire import (CountTokensBody, MessagesBody, OutputConfig, TextBlock,
+                            ThinkingBlock, ToolResultBlock, ToolUseBlock)
 
 PREFIX = "/v1/messages"
 # The engine's neutral parameter names -> this API's.
@@ -54,160 +54,6 @@ PARAMS = {"messages": "messages", "constraint": "output_config.format",
           "sampling.top_k": "top_k", "sampling.seed": "seed", "spec": "num_draft_tokens"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 CHOICES: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
-BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
-          "system": ("text",)}
-
-
-# -- the wire: requests -----------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control, citations, caller, ...
-
-
-def _as_blocks(v: Any, allowed: tuple[str, ...]) -> Any:
-    """A string is one text block; a block type we do not serve is refused by name (here,
-    so the error says which block, not which union member failed)."""
-    if isinstance(v, str):
-        return [{"type": "text", "text": v}]
-    for i, b in enumerate(v if isinstance(v, list) else ()):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if isinstance(kind, str) and kind not in allowed:
-            raise PydanticCustomError(
-                "unsupported_block", "block {i} is of type '{kind}', which this server does "
-                "not take here (only {allowed})", {"i": i, "kind": kind,
-                                                   "allowed": ", ".join(allowed)})
-    return v
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: str
-
-
-TextBlocks = Annotated[list[TextBlock], BeforeValidator(  # the document says: string or blocks
-    lambda v: _as_blocks(v, ("text",)), json_schema_input_type=str | list[TextBlock])]
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    content: TextBlocks = []  # `is_error` is ignored: the text says what failed
-
-
-class ThinkingBlock(_Block):
-    type: Literal["thinking"]
-    thinking: str  # its `signature` is ours to ignore: we made none
-
-
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
-                  Field(discriminator="type")]
-
-
-class Turn(_Strict):
-    role: Literal["user", "assistant", "system"]
-    content: list[Block]
-
-    @field_validator("content", mode="before", json_schema_input_type=str | list[Block])
-    @classmethod
-    def _content(cls, v: Any, info: ValidationInfo) -> Any:
-        return _as_blocks(v, BLOCKS.get(info.data.get("role", "user"), ()))
-
-
-class ToolDef(_Strict):
-    type: Literal["custom"] | None = None  # a server tool (`web_search_...`) is refused here
-    name: str = Field(min_length=1)
-    description: str | None = None
-    input_schema: dict[str, Any]
-    strict: bool = False
-    cache_control: Any = None
-    eager_input_streaming: bool | None = None
-
-
-class ToolChoiceIn(_Strict):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None  # type "tool": the tool to call
-    disable_parallel_tool_use: bool = False
-
-    @model_validator(mode="after")
-    def _named(self) -> "ToolChoiceIn":
-        if (self.type == "tool") != (self.name is not None):
-            raise PydanticCustomError("tool_choice", "type 'tool' takes the tool's name (and "
-                                      "no other type takes one)")
-        return self
-
-
-class ThinkingIn(_Strict):
-    type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = Field(None, ge=1)  # type "enabled": required
-    display: Literal["summarized", "omitted"] | None = None
-
-    @model_validator(mode="after")
-    def _budget(self) -> "ThinkingIn":
-        if (self.type == "enabled") != (self.budget_tokens is not None):
-            raise PydanticCustomError("thinking", "type 'enabled' takes budget_tokens (and "
-                                      "no other type takes it)")
-        return self
-
-
-class JSONFormat(_Strict):
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(_Strict):
-    format: JSONFormat | None = None
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-
-
-class CountTokensBody(_Strict):
-    """What a prompt is made of: `POST /v1/messages/count_tokens`."""
-
-    model: str
-    messages: list[Turn] = Field(min_length=1)
-    system: TextBlocks = []
-    tools: list[ToolDef] = []
-    tool_choice: ToolChoiceIn | None = None
-    thinking: ThinkingIn | None = None
-    output_config: OutputConfig | None = None
-    output_format: JSONFormat | None = None  # the structured-outputs beta's spelling
-    # accepted, ignored: they do not change the output here
-    metadata: Any = None
-    cache_control: Any = None
-    container: Any = None
-    diagnostics: Any = None
-    inference_geo: str | None = None
-    service_tier: str | None = None
-    speed: str | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
-
-
-class MessagesBody(CountTokensBody):
-    """`POST /v1/messages`: a conversation to answer."""
-
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] = []
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    # our extensions
-    seed: int | None = Field(None, ge=0)
-    num_draft_tokens: int | None = Field(None, ge=0)
-    draft_masking: bool | None = None
-    prompt_lookup: bool | None = None
-
-
 REQUEST_BODIES: dict[str, type[BaseModel]] = {PREFIX: MessagesBody,
                                               PREFIX + "/count_tokens": CountTokensBody}
 

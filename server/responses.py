@@ -1,5 +1,6 @@
-"""OpenAI's Responses API, `POST /v1/responses`: the body (pydantic, the only parser) -> a
-`GenerateRequest` -> the engine's events -> a Response object, or its event stream.
+"""OpenAI's Responses API, `POST /v1/responses`: the body (`responses_wire`, pydantic, the
+only parser) -> a `GenerateRequest` -> the engine's events -> a Response object, or its
+event stream.
 
 One `Writer` turns the events into both the stream's events and the response's `output`
 items, so a streamed and a plain response cannot differ: a `reasoning` item
@@ -29,13 +30,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler
-from pydantic import GetJsonSchemaHandler
-from pydantic_core import CoreSchema, PydanticCustomError, core_schema
+from pydantic import BaseModel
 
 from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
@@ -46,27 +45,12 @@ from specdec.sampling import SamplingParams
 from .door import Door, Run, extension, spec_overrides, sse, warning_header
 from .errors import bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES
+from .responses_wire import (FunctionChoice, IGNORED, NEEDS, NOOP, ResponsesRequest)
 
 PREFIX = "/v1/responses"
 PARAMS = {"messages": "input", "constraint": "text.format", "max_tokens": "max_output_tokens",
           "thinking": "reasoning", "tools": "tools", "tool_choice": "tool_choice",
           "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
-STATELESS = "this server is stateless: responses are not stored"
-# Official fields that would change the output: their no-op values, and why others are refused.
-NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
-    "store": ((None, False), f"{STATELESS}; omit store or set it false"),
-    "previous_response_id": ((None,), f"{STATELESS}; send the whole conversation as input"),
-    "conversation": ((None,), f"{STATELESS}; send the whole conversation as input"),
-    "include": ((None, []), "no includable extras (logprobs, encrypted reasoning) are given"),
-    "truncation": ((None, "disabled"), "input is never truncated (too long is a 400)"),
-    "background": ((None, False), "responses run in the foreground only"),
-    "prompt": ((None,), "stored prompt templates are not available"),
-    "top_logprobs": ((None,), "logprobs are not implemented on this endpoint"),
-    "context_management": ((None, []), "context compaction is not implemented"),
-    "moderation": ((None,), "moderation is not implemented")}
-IGNORED = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
-                     "prompt_cache_retention", "prompt_cache_options", "stream_options",
-                     "background_options", "max_tool_calls", "image", "access_programs"})
 Wire = tuple[str, dict[str, Any]]  # one stream event: its type and its data
 # A text item's kind -> its id prefix, empty item, empty content part, and delta event stem.
 KINDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str]] = {
@@ -80,135 +64,6 @@ KINDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str]] = {
 def _lp(kind: str) -> dict[str, Any]:
     """output_text events carry logprobs (none: not implemented here); reasoning's do not."""
     return {"logprobs": []} if kind == "message" else {}
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """A `type` string that names the value it refuses (pydantic's literal error does not),
-    documented as an enum."""
-
-    allowed: tuple[str, ...]
-
-    def check(self, v: str) -> str:
-        if v not in self.allowed:
-            raise PydanticCustomError("unsupported", f"type {v!r} is not supported here: "
-                                      f"expected one of {list(self.allowed)}")
-        return v
-
-    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler
-                                     ) -> CoreSchema:
-        return core_schema.no_info_after_validator_function(self.check, handler(source))
-
-    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler
-                                     ) -> dict[str, Any]:
-        return {**handler(schema), "enum": list(self.allowed)}
-
-
-class Part(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # an echoed output's annotations, logprobs
-    type: Annotated[str, OneOf(("input_text", "output_text", "reasoning_text", "summary_text"))]
-    text: str
-
-
-def _or_text(schema: dict[str, Any]) -> None:
-    """Document what a text-or-list field's before-validator takes: a string, or the list."""
-    items = {k: schema.pop(k) for k in ("type", "items") if k in schema}
-    schema["anyOf"] = [{"type": "string"}, items]
-
-
-Parts = Annotated[list[Part], BeforeValidator(
-    lambda v: [{"type": "input_text", "text": v}] if isinstance(v, str) else v),
-    Field(json_schema_extra=_or_text)]
-
-
-NEEDS = {"function_call": ("call_id", "name"), "function_call_output": ("call_id",)}
-
-
-class InputItem(BaseModel):
-    """One `input` item; no `type` is a message (the SDK's EasyInputMessage). Items sent back
-    from an earlier output carry ids and statuses: ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Annotated[str, OneOf(("message", "function_call", "function_call_output",
-                                "reasoning"))] = "message"
-    role: Literal["user", "system", "developer", "assistant"] = "user"
-    content: Parts = Field(default_factory=list, description="text, or text parts")
-    call_id: str = ""
-    name: str = ""
-    arguments: str = "{}"
-    output: Parts = Field(default_factory=list, description="a function call's result")
-    summary: list[Part] = Field(default_factory=list)
-
-
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Annotated[str, OneOf(("function",))]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionChoice(BaseModel):
-    type: Annotated[str, OneOf(("function",))]
-    name: str
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Annotated[str, OneOf(("text", "json_object", "json_schema"))]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = Field(None, description="false or absent: unsupported keywords "
-                                                  "are warnings, not a 400")
-
-
-class TextConfig(BaseModel):
-    format: TextFormat | None = None
-    verbosity: Literal["medium"] | None = Field(None, description="only the default")
-
-
-class ReasoningConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    effort: str | None = Field(None, description="any but 'none' thinks before the answer")
-    summary: str | None = None
-
-
-def _other_fields(schema: dict[str, Any]) -> None:
-    """The document names the fields taken beyond the model's, and no others."""
-    props = schema["properties"]
-    props.update({k: {"description": "accepted and ignored"} for k in sorted(IGNORED)})
-    props.update({k: {"description": f"refused unless one of {list(noop)}: {why}"}
-                  for k, (noop, why) in NOOP.items()})
-    schema["additionalProperties"] = False
-
-
-class ResponsesRequest(BaseModel):
-    """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=_other_fields)
-    model: str | None = None
-    input: Annotated[list[InputItem], BeforeValidator(
-        lambda v: [{"content": v}] if isinstance(v, str) else v)] = Field(
-        description="text, or a list of items", json_schema_extra=_or_text)
-    instructions: str | None = None
-    text: TextConfig | None = None
-    tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "auto"
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=100, description="default 1")
-    top_p: float | None = Field(None, gt=0, le=1)
-    reasoning: ReasoningConfig | None = None
-    stream: bool | None = None
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
-    top_k: int | None = Field(None, ge=0)
-    num_draft_tokens: int | None = Field(None, ge=0, le=16, description="0: plain decoding")
-    draft_masking: bool | None = None
-    prompt_lookup: bool | None = None
-    max_thinking_tokens: int | None = Field(None, ge=0, description="implies thinking")
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 REQUEST_BODIES = {PREFIX: ResponsesRequest}
