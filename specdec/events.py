@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from .errors import SpecdecError
+from .request import ToolCall  # a complete call, as in the conversation's history
 from .speculative import SpecStats
 
 TokenId = int
@@ -63,15 +64,6 @@ class ToolCallDelta:
     arguments: str
     tokens: tuple[TokenId, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A complete call: `arguments` is JSON text (an object)."""
-
-    id: str
-    name: str
-    arguments: str
 
 
 @dataclass(frozen=True)
