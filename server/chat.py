@@ -1,5 +1,6 @@
 """OpenAI Chat Completions (`POST /v1/chat/completions`) and Completions
-(`POST /v1/completions`): bodies parsed by `protocol`, events turned into OpenAI's
+(`POST /v1/completions`): bodies parsed by `chat_wire`'s models and turned into the neutral
+request by `protocol`, events turned into OpenAI's
 `chat.completion` / `text_completion` objects or their SSE chunks.
 
 Streaming: a first chunk with the role, then one chunk per event (`reasoning_content`,
@@ -23,9 +24,9 @@ from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLo
 
 from .door import Door, Run, extension, sse, warning_header
 from .errors import openai_body, openai_response
-from .openapi import CHAT_RESPONSES, COMPLETION_RESPONSES, ChatCompletionRequest, \
-    CompletionRequest
-from .protocol import Body, parse_chat, parse_completion
+from .chat_wire import (CHAT_RESPONSES, COMPLETION_RESPONSES, ChatCompletionRequest,
+                        CompletionRequest)
+from .protocol import Body, to_chat, to_completion
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
 REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
@@ -45,11 +46,12 @@ def router(door: Door) -> APIRouter:
 
     @r.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat(request: Request) -> Any:
-        return await _serve(door, request, parse_chat(await door.read_json(request)), True)
+        body = to_chat(await door.parse(request, ChatCompletionRequest))
+        return await _serve(door, request, body, True)
 
     @r.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(request: Request) -> Any:
-        body = parse_completion(await door.read_json(request))
+        body = to_completion(await door.parse(request, CompletionRequest))
         try:
             return await _serve(door, request, body, False)
         except SpecdecError as e:  # in this API's own field names

@@ -100,6 +100,8 @@ class Door:
         except ValidationError as e:
             err = e.errors()[0]
             path = field_path(body, err["loc"])
+            if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+                path += "." + str((err.get("ctx") or {}).get("discriminator", "")).strip("'")
             raise bad_request(f"{path}: {err['msg']}" if path else err["msg"],
                               path or None) from None
 
@@ -166,12 +168,15 @@ class Run:
 def field_path(body: Any, loc: tuple[Any, ...]) -> str:
     """A pydantic error location as the field path in the body (`input[0].content[1]`):
     the parts pydantic adds that are not in the body (a union member's name, a tagged
-    union's tag value, a validator's name) are left out, by walking the body itself."""
+    union's tag value, a validator's name) are left out, by walking the body itself; a
+    mapping's keys (not field names) end the path at the mapping."""
     out, at = "", body
     for p in loc:
         if isinstance(p, int) and isinstance(at, list) and 0 <= p < len(at):
             out, at = out + f"[{p}]", at[p]
         elif isinstance(p, str) and isinstance(at, dict) and p in at:
+            if not p.isidentifier():
+                break  # a key of a mapping field (a logit_bias token id): the field is at fault
             out, at = out + f".{p}", at[p]
         elif isinstance(p, str) and "[" not in p and isinstance(at, dict) and not any(
                 isinstance(q, str) and q in at for q in loc[loc.index(p):]):

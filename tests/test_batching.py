@@ -322,6 +322,6 @@ def test_the_scheduler_thread_releases_its_mlx_streams_when_it_stops(models, mon
         real()
 
     monkeypatch.setattr(mx, "clear_streams", clear_streams)
-    sched = Scheduler(models, max_batch=2, max_queue=0)
+    sched = Scheduler(models, lambda req: None, max_batch=2, max_queue=0)
     sched.stop(wait_s=10)
     assert released == ["specdec-scheduler"]
