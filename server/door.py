@@ -171,13 +171,16 @@ def field_path(body: Any, loc: tuple[Any, ...]) -> str:
     union's tag value, a validator's name) are left out, by walking the body itself; a
     mapping's keys (not field names) end the path at the mapping."""
     out, at = "", body
-    for p in loc:
+    for n, p in enumerate(loc):
         if isinstance(p, int) and isinstance(at, list) and 0 <= p < len(at):
             out, at = out + f"[{p}]", at[p]
         elif isinstance(p, str) and isinstance(at, dict) and p in at:
-            if not p.isidentifier():
+            if not p.isidentifier() or loc[n + 1:n + 2] == ("[key]",):
                 break  # a key of a mapping field (a logit_bias token id): the field is at fault
             out, at = out + f".{p}", at[p]
+        elif isinstance(p, str) and isinstance(at, dict) and p in (at.get("type"),
+                                                                  at.get("role")):
+            continue  # a tagged union's tag: the item's own type
         elif isinstance(p, str) and "[" not in p and isinstance(at, dict) and not any(
                 isinstance(q, str) and q in at for q in loc[loc.index(p):]):
             out += f".{p}"  # a missing field: the walk ends here

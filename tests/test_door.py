@@ -165,3 +165,21 @@ def test_cli_and_server_give_the_same_tokens_usage_and_logprobs_with_a_mid_token
     # The logprob tokens join to the content, then the cut token's rest (inside the stop).
     joined = "".join(e["token"] for e in served)
     assert joined.startswith(content) and stop.startswith(joined[len(content):])
+
+
+@pytest.mark.parametrize("body,loc,path", [
+    # a tagged union's tag value and a union member's name are not in the body
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     ("messages", 0, "user", "content", "str"), "messages[0].content"),
+    # a field that is missing ends the path
+    ({"input": [{"type": "message"}]}, ("input", 0, "message", "role"), "input[0].role"),
+    # a mapping's keys are data: the mapping is the field at fault
+    ({"logit_bias": {"x": 1}}, ("logit_bias", "x", "[key]"), "logit_bias"),
+    ({"logit_bias": {"5": 200}}, ("logit_bias", "5"), "logit_bias"),
+    # a validator's name is not a field
+    ({"tools": [{"type": "function"}]}, ("tools", 0, "function-after[check()]"), "tools[0]"),
+])
+def test_a_validation_error_names_the_field_as_the_body_spells_it(body, loc, path):
+    from server.door import field_path
+
+    assert field_path(body, loc) == path
