@@ -32,7 +32,7 @@ PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
 REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
                   "/v1/completions": CompletionRequest}
 # The engine's field names -> this API's.
-PARAMS = {"constraint": "response_format", "thinking": "reasoning_effort",
+PARAMS = {"messages": "messages", "constraint": "response_format", "thinking": "reasoning_effort",
           "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
 COMPLETION_PARAMS = {**PARAMS, "messages": "prompt", "constraint": "structured_outputs"}
 

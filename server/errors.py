@@ -40,14 +40,17 @@ def status_of(e: SpecdecError) -> int:
 
 def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
     """The API's name for the field at fault (`params`: neutral name -> wire name; a dotted
-    name maps by its first part when it has no entry of its own)."""
+    or indexed name maps by its first part when it has no entry of its own)."""
     if e.param is None or isinstance(e, WireError):
         return e.param
     if e.param in params:
         return params[e.param]
     head, _, rest = e.param.partition(".")
-    if head in params and params[head]:
-        return params[head] + ("." + rest if rest else "")
+    base = head.partition("[")[0]  # "messages[2]": an index into the neutral conversation
+    if base in params and params[base]:
+        # The index holds where the API's list is the conversation itself (same name).
+        wired = head if params[base] == base else params[base]
+        return wired + ("." + rest if rest else "")
     return rest or head
 
 

@@ -183,3 +183,21 @@ def test_a_validation_error_names_the_field_as_the_body_spells_it(body, loc, pat
     from server.door import field_path
 
     assert field_path(body, loc) == path
+
+
+def test_each_api_names_the_engines_fields_its_own_way():
+    from server import chat, messages, responses
+    from server.errors import wire_param
+    from specdec.errors import RequestError
+
+    def param(api, neutral):
+        return wire_param(RequestError("x", param=neutral), api.PARAMS)
+
+    assert [param(api, "messages[2]") for api in (chat, responses)] == ["messages[2]", "input"]
+    assert [param(api, "constraint") for api in (chat, responses, messages)] == [
+        "response_format", "text.format", "output_config.format"]
+    assert [param(api, "max_tokens") for api in (chat, responses, messages)] == [
+        "max_tokens", "max_output_tokens", "max_tokens"]
+    assert param(chat, "sampling.temperature") == param(responses, "sampling.temperature") \
+        == "temperature"
+    assert param(messages, "stop") == "stop_sequences"
