@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ValidationError
 
+from specdec.decode import GrammarStateError
 from specdec.engine import Engine, Request
 from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
@@ -29,6 +31,7 @@ from .errors import WireError, bad_request
 from .metrics import Metrics
 
 M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("specdec.server")
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,8 @@ class Run:
                         return
                 if ev is None:
                     continue
+                if isinstance(ev, Failed):
+                    log_failure(self.request, ev.error)
                 if isinstance(ev, Finished):
                     self.door.metrics.observe(len(self.request.prompt_ids),
                                               ev.usage.completion_tokens, ev.stats.counters,
@@ -163,6 +168,23 @@ class Run:
                     return
         finally:
             self.stream.cancel()  # a no-op when done; stops the engine when the client left
+
+
+LOG_LIMIT = 4096  # characters of a request's constraint and grammar in a failure's log line
+
+
+def log_failure(req: Request, e: SpecdecError) -> None:
+    """The server log's account of a failed request: an internal fault with what locates
+    it (position, constraint, grammar; bounded), a stopped request as a warning."""
+    if isinstance(e, GrammarStateError):
+        g = req.grammar
+        log.error("grammar state error at output token %s: %s\nconstraint: %.*s\n"
+                  "grammar: %.*s", e.position, e.detail or e, LOG_LIMIT, req.constraint,
+                  LOG_LIMIT, g.text if g else None)
+    elif e.kind == "timeout":
+        log.warning("request stopped: %s", e)
+    elif e.kind == "internal":
+        log.error("generation failed: %s", e)
 
 
 def field_path(body: Any, loc: tuple[Any, ...]) -> str:

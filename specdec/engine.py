@@ -169,8 +169,10 @@ class Engine:
             eos_token_ids=list(target.eos_token_ids))
         ctx = target.config.get("max_position_embeddings") or 2048
         self.context_length = int(ctx)
-        self._scheduler: Scheduler | None = None
+        self._scheduler: Scheduler | None = None  # a thread of its own (`start`)
+        self._inline: Scheduler | None = None  # driven by whoever iterates its streams
         self._lock = threading.Lock()
+        self._pumping = threading.Lock()
         self.request_timeout_s: float | None = None
         self._replicas = False
 
@@ -234,17 +236,38 @@ class Engine:
         """Queue a prepared request; returns its event stream (pass one bound to an event
         loop to `async for` it there).
 
+        With the scheduler thread started (`start`; a stream bound to an event loop starts
+        it), that thread decodes. Before that, the thread that iterates a stream decodes:
+        every request submitted so far, batched, in rounds, until that stream's next event
+        is in — the same scheduler and output code, with MLX work on the thread that made
+        the models (an array made lazily on one thread cannot be evaluated on another).
+
         Raises:
             QueueFull: `max_queue` requests already wait. SchedulerStopped: after a fatal
             error.
         """
-        stream = stream if stream is not None else RequestStream()
         from .distributed import for_replicas
 
-        self.scheduler.submit(Ticket(req, self.output(req, stream.put), stream.cancelled,
-                                     timeout_s=self.request_timeout_s,
-                                     replica=for_replicas(req) if self._replicas else None))
+        stream = stream if stream is not None else RequestStream()
+        if stream._loop is not None or self._scheduler is not None:
+            sched = self.scheduler
+        else:
+            with self._lock:
+                if self._inline is None:
+                    self._inline = Scheduler(self.models, self.new_state, max_queue=1 << 30,
+                                             kv_store=self.kv_store, thread=False)
+                sched = self._inline
+            stream.pump = self._pump
+        sched.submit(Ticket(req, self.output(req, stream.put), stream.cancelled,
+                            timeout_s=self.request_timeout_s,
+                            replica=for_replicas(req) if self._replicas else None))
         return stream
+
+    def _pump(self) -> bool:
+        """One round of the threadless scheduler, on the calling thread."""
+        assert self._inline is not None
+        with self._pumping:
+            return self._inline.pump()
 
     def generate(self, req: Request) -> Finished:
         """Run one request to completion (through the scheduler, like every request).

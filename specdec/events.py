@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -151,13 +151,16 @@ class RequestStream:
     """A submitted request's events, in order, ending with `Finished` or `Failed`.
 
     Iterate it (blocking) or `async for` it on the event loop it was bound to (`bind`,
-    before submitting). `cancel()` stops the request within one round (a client that left).
+    before submitting). `cancel()` stops the request within one round (a client that left;
+    the stream then ends with `Failed`). A stream with `pump` (a scheduler without a thread
+    of its own) runs rounds on the iterating thread until its next event is in.
     """
 
     cancelled: threading.Event = field(default_factory=threading.Event)
     _q: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _loop: asyncio.AbstractEventLoop | None = None
     _aq: asyncio.Queue | None = None
+    pump: Callable[[], bool] | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> "RequestStream":
         self._loop, self._aq = loop, asyncio.Queue()
@@ -175,7 +178,18 @@ class RequestStream:
 
     def __iter__(self) -> Iterator[Event]:
         while True:
-            ev = self._q.get()
+            if self.pump is None:
+                ev = self._q.get()
+            else:
+                try:
+                    ev = self._q.get_nowait()
+                except queue.Empty:
+                    if not self.pump() and self._q.empty():
+                        from .scheduler import SchedulerStopped
+
+                        ev = Failed(SchedulerStopped("the engine stopped after a fatal error"))
+                    else:
+                        continue
             yield ev
             if isinstance(ev, (Finished, Failed)):
                 return

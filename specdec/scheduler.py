@@ -41,6 +41,12 @@ class SchedulerStopped(SpecdecError):
     kind, code = "unavailable", "unavailable"
 
 
+class Cancelled(SpecdecError):
+    """The caller cancelled the request (its client went away); it was stopped."""
+
+    code = "cancelled"
+
+
 class DeadlineExceeded(SpecdecError):
     """A request ran (or waited) past its time limit; it was stopped, nothing lost."""
 
@@ -191,30 +197,41 @@ class Scheduler:
                     if self.publish is not None and self.fatal is None:
                         self._publish(Decisions(stop=True))
                     return
-                admitted = []
-                while self._waiting and len(self._active) < self.max_batch:
-                    admitted.append(self._waiting.popleft())
-                    self._active.append(admitted[-1])
-            try:
-                self.round_started = time.perf_counter()
-                self._step(admitted)
-                self.round_started = None
-            except Exception as e:  # a fault outside any one request: fail them all
-                self.round_started = None
-                if self.fatal is not None:
-                    return  # aborted from outside while the round was stuck
-                log.exception("scheduler round failed")
-                if self.publish is not None:  # the replicas may have diverged: stop
-                    e = SchedulerStopped(f"the sharded target failed ({e}); this server "
-                                         "is stopping")
-                err = e if isinstance(e, SpecdecError) else InternalError(
-                    f"a decode round failed: {e}")
-                for t in list(self._active):
-                    self._finish(t, error=err)
-                self._active = []
-                if self.publish is not None:
-                    self._die(e)
-                    return
+            if not self.pump():
+                return
+
+    def pump(self) -> bool:
+        """One turn of the loop on the calling thread: admit waiting requests, run a round.
+        The scheduler thread calls it; so does whoever iterates a stream of a scheduler
+        without a thread (`Engine.submit` before `Engine.start`: the caller's thread decodes,
+        as MLX work on arrays that thread made must). Returns False once the scheduler
+        cannot go on (a sharded target's round failed, or it was aborted)."""
+        with self._cv:
+            admitted = []
+            while self._waiting and len(self._active) < self.max_batch:
+                admitted.append(self._waiting.popleft())
+                self._active.append(admitted[-1])
+        try:
+            self.round_started = time.perf_counter()
+            self._step(admitted)
+            self.round_started = None
+        except Exception as e:  # a fault outside any one request: fail them all
+            self.round_started = None
+            if self.fatal is not None:
+                return False  # aborted from outside while the round was stuck
+            log.exception("scheduler round failed")
+            if self.publish is not None:  # the replicas may have diverged: stop
+                e = SchedulerStopped(f"the sharded target failed ({e}); this server "
+                                     "is stopping")
+            err = e if isinstance(e, SpecdecError) else InternalError(
+                f"a decode round failed: {e}")
+            for t in list(self._active):
+                self._finish(t, error=err)
+            self._active = []
+            if self.publish is not None:
+                self._die(e)
+                return False
+        return True
 
     def _publish(self, d: Decisions) -> None:
         assert self.publish is not None
@@ -283,6 +300,7 @@ class Scheduler:
                 self._active.remove(t)
                 if t.state is not None:
                     t.state.release()
+                t.output.fail(Cancelled("the request was cancelled"))
         for t in list(self._active):
             if t.state is None:
                 try:

@@ -67,6 +67,12 @@ def models(tmp_path_factory):
     return out
 
 
+def parts(engine, result, thinking):
+    """A result's (reasoning, answer); the answer is None while thinking has not ended."""
+    ended = thinking.close in engine.decode_text(result.tokens)
+    return result.reasoning, result.text if ended else None
+
+
 def test_think_markers_and_split():
     t = Thinking(close="</think>", open="<think>")
     assert split_reasoning("<think>\nhm</think>\n\n{}", t) == ("\nhm", "{}")
@@ -144,7 +150,7 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
             if not same:
                 bad.append(f"{end} {mode}: plain {want.tokens} != oracle {ref.tokens}")
             # How thinking ended is what the cell says it is.
-            reasoning, answer = split_reasoning(want.text, thinking)
+            reasoning, answer = parts(e, want, thinking)
             assert answer is not None, (end, mode, want.text)
             n_think = e.reasoning_tokens(want.tokens, thinking)
             if end == "at-once":
@@ -289,7 +295,7 @@ def test_a_budget_ending_mid_character_waits_for_the_character(models):
     ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
     want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
                                 max_tokens=MAX_TOKENS, spec=None, thinking=thinking))
-    reasoning, answer = split_reasoning(want.text, thinking)
+    reasoning, answer = parts(e, want, thinking)
     assert answer is not None and "\ufffd" not in reasoning
     assert e.reasoning_tokens(want.tokens, thinking) > budget + 1  # the character finished
     close_ids = marker_ids(e.compiler.tokenizer, "</think>")[0]
@@ -317,12 +323,12 @@ def test_stop_strings_apply_to_the_answer_only(models):
     seeded = MODES["seeded"]
     base = e.generate(e.prepare(ids, constraint=constraint, max_tokens=MAX_TOKENS, spec=None,
                                 thinking=thinking, sampling=seeded))
-    reasoning, answer = split_reasoning(base.text, thinking)
+    reasoning, answer = parts(e, base, thinking)
     stop = next(reasoning[i:i + 2] for i in range(len(reasoning) - 1)
                 if reasoning[i:i + 2].strip() and reasoning[i:i + 2] not in answer)
     got = e.generate(e.prepare(ids, constraint=constraint, max_tokens=MAX_TOKENS, spec=None,
                                thinking=thinking, stop=(stop, '"age"'), sampling=seeded))
-    r2, a2 = split_reasoning(got.text, thinking)
+    r2, a2 = parts(e, got, thinking)
     assert r2 == reasoning and stop in r2  # not cut inside the thinking
     assert a2 == answer[:answer.index('"age"')] and got.finish_reason == "stop"
 
