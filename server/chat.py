@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from specdec.errors import SpecdecError
 from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
                             ToolCallDelta)
 
-from .door import Door, Run, extension, sse, warning_header
+from .door import Door, Run, RunResponse, extension, sse, warning_header
 from .errors import openai_body, openai_response
 from .chat_wire import (CHAT_RESPONSES, COMPLETION_RESPONSES, ChatCompletionRequest,
                         CompletionRequest)
@@ -32,9 +32,11 @@ PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
 REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
                   "/v1/completions": CompletionRequest}
 # The engine's field names -> this API's.
-PARAMS = {"messages": "messages", "constraint": "response_format", "thinking": "reasoning_effort",
+PARAMS = {"messages": "messages[]", "constraint": "response_format",
+          "thinking": "reasoning_effort",
           "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
-COMPLETION_PARAMS = {**PARAMS, "messages": "prompt", "constraint": "structured_outputs"}
+COMPLETION_PARAMS = {**PARAMS, "messages": "prompt", "constraint": "structured_outputs",
+                     "logprobs": "logprobs"}
 
 
 def error(e: SpecdecError) -> JSONResponse:
@@ -66,8 +68,7 @@ async def _serve(door: Door, http: Request, body: Body, chat: bool) -> Any:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     headers = warning_header(run.request.warnings)
     if body.stream:
-        return StreamingResponse(_chunks(door, run, body, rid, chat),
-                                 media_type="text/event-stream", headers=headers)
+        return RunResponse(run, _chunks(door, run, body, rid, chat), headers)
     async for ev in run.events():
         if isinstance(ev, Failed):
             raise ev.error

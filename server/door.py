@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from specdec.decode import GrammarStateError
@@ -208,6 +209,21 @@ def field_path(body: Any, loc: tuple[Any, ...]) -> str:
             out += f".{p}"  # a missing field: the walk ends here
             break
     return out.lstrip(".")
+
+
+class RunResponse(StreamingResponse):
+    """A run's SSE response: however it ends (the client gone before the first event, a
+    send that fails), the request is stopped with it."""
+
+    def __init__(self, run: Run, body: AsyncIterator[str], headers: dict[str, str]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.stream.cancel()
 
 
 def _depth(x: Any) -> int:

@@ -48,8 +48,10 @@ def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
     head, _, rest = e.param.partition(".")
     base = head.partition("[")[0]  # "messages[2]": an index into the neutral conversation
     if base in params and params[base]:
-        # The index holds where the API's list is the conversation itself (same name).
-        wired = head if params[base] == base else params[base]
+        # The index holds only where the API says its list is the conversation itself
+        # ("messages[]"); else the field is named without it.
+        wired = params[base]
+        wired = head if wired == base + "[]" else wired.removesuffix("[]")
         return wired + ("." + rest if rest else "")
     return rest or head
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel)
 
 from specdec.errors import SpecdecError
@@ -40,7 +40,7 @@ from specdec.grammar import Constraint
 from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
 from specdec.sampling import SamplingParams
 
-from .door import Door, Run, extension, spec_overrides, sse, warning_header
+from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (CountTokensBody, MessagesBody, OutputConfig, TextBlock,
                             ThinkingBlock, ToolResultBlock, ToolUseBlock)
@@ -288,8 +288,7 @@ def router(door: Door) -> APIRouter:
                         and body.thinking.display == "omitted")
         headers = {"request-id": msg_id, **warning_header(run.request.warnings)}
         if body.stream:
-            return StreamingResponse(_stream(run, msg_id, blocks), headers=headers,
-                                     media_type="text/event-stream")
+            return RunResponse(run, _stream(run, msg_id, blocks), headers)
         done: Finished | None = None
         async for ev in run.events():
             if isinstance(ev, Failed):

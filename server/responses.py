@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from specdec.errors import SpecdecError
@@ -42,7 +42,7 @@ from specdec.grammar import Constraint
 from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
 from specdec.sampling import SamplingParams
 
-from .door import Door, Run, extension, spec_overrides, sse, warning_header
+from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
 from .errors import bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES
 from .responses_wire import (FunctionChoice, IGNORED, NEEDS, NOOP, ResponsesRequest)
@@ -138,7 +138,8 @@ def generate_request(body: ResponsesRequest) -> GenerateRequest:
         messages=messages(body), constraint=constraint, tools=tools, tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls is not False, sampling=sampling,
         max_tokens=body.max_output_tokens, thinking=effort not in (None, "none") or
-        budget is not None, thinking_budget=budget, reasoning_effort=effort,
+        budget is not None, thinking_budget=budget,
+        reasoning_effort=effort if effort not in (None, "none") else None,
         spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
         template_kwargs=body.chat_template_kwargs or {})
 
@@ -287,8 +288,7 @@ def router(door: Door) -> APIRouter:
         w = Writer(head(body, run, door.model_name), run)
         headers = warning_header(run.request.warnings)
         if body.stream:
-            return StreamingResponse(_stream(w), media_type="text/event-stream",
-                                     headers=headers)
+            return RunResponse(run, _stream(w), headers)
         last: list[Wire] = []
         async for ev in run.events():
             if isinstance(ev, Failed):

@@ -188,7 +188,8 @@ class Engine:
         scheduler already running is replaced.
 
         Raises:
-            RuntimeError: the running scheduler has requests in hand.
+            RuntimeError: the running scheduler has requests in hand, or requests submitted
+                before it are still decoding.
         """
         with self._lock:
             old = self._scheduler
@@ -204,6 +205,10 @@ class Engine:
                publish: Callable[[Decisions], None] | None = None,
                on_fatal: Callable[[Exception], None] | None = None) -> Scheduler:
         """Start the scheduler (the caller holds `_lock`)."""
+        inline = self._inline
+        if inline is not None and (inline.active or inline.queue_depth):
+            raise RuntimeError("requests submitted before start() are still decoding on "
+                               "the threads that iterate them; finish them first")
         self.request_timeout_s = request_timeout_s
         self._replicas = publish is not None
         self._scheduler = Scheduler(self.models, self.new_state, max_batch=max_batch,
@@ -221,13 +226,18 @@ class Engine:
             return self._scheduler
 
     def close(self, wait_s: float = 10.0) -> None:
-        """Stop the scheduler after its current round (requests still queued are dropped)."""
-        if self._scheduler is not None:
-            self._scheduler.stop(wait_s=wait_s)
+        """Stop the scheduler thread after its current round (requests it still holds end
+        with `Failed`); later requests decode on the threads that iterate them again."""
+        with self._lock:
+            sched, self._scheduler = self._scheduler, None
+        if sched is not None:
+            sched.stop(wait_s=wait_s)
 
     def output(self, req: Request, sink: Callable[[Event], None]) -> Output:
         """The request's output router (`output.Output`), putting its events into `sink`."""
-        return Output(self.decode_text, sink, stop=req.stop, thinking=req.thinking,
+        # Stop strings end text: they never cut a forced call (its grammar ends it).
+        return Output(self.decode_text, sink, stop=() if req.tools else req.stop,
+                      thinking=req.thinking,
                       tool_mode=bool(req.tools), reasoning_tokens=self.reasoning_tokens,
                       prompt_tokens=len(req.prompt_ids), seed=req.sampling.seed,
                       k=req.spec.k if req.spec else 0, warnings=req.warnings)
@@ -249,18 +259,21 @@ class Engine:
         from .distributed import for_replicas
 
         stream = stream if stream is not None else RequestStream()
-        if stream._loop is not None or self._scheduler is not None:
-            sched = self.scheduler
-        else:
-            with self._lock:
+        with self._lock:  # no start() between choosing a scheduler and queueing on it
+            if stream._loop is not None or self._scheduler is not None:
+                if self._scheduler is None:
+                    self._start()
+                sched = self._scheduler
+            else:
                 if self._inline is None:
                     self._inline = Scheduler(self.models, self.new_state, max_queue=1 << 30,
                                              kv_store=self.kv_store, thread=False)
                 sched = self._inline
-            stream.pump = self._pump
-        sched.submit(Ticket(req, self.output(req, stream.put), stream.cancelled,
-                            timeout_s=self.request_timeout_s,
-                            replica=for_replicas(req) if self._replicas else None))
+                stream.pump = self._pump
+            assert sched is not None
+            sched.submit(Ticket(req, self.output(req, stream.put), stream.cancelled,
+                                timeout_s=self.request_timeout_s,
+                                replica=for_replicas(req) if self._replicas else None))
         return stream
 
     def _pump(self) -> bool:
@@ -552,8 +565,8 @@ def template_message(m: Message, i: int) -> dict[str, Any]:
         RequestError: tool calls or tool results in the history (not implemented yet).
     """
     if m.tool_calls or m.role == "tool":
-        raise RequestError(f"messages[{i}]: tool calls and tool results in the history are "
-                           "not supported yet", param=f"messages[{i}]",
+        raise RequestError("tool calls and tool results in the history are not supported "
+                           f"yet (turn {i + 1} of the conversation)", param=f"messages[{i}]",
                            code="unsupported_parameter")
     return {"role": m.role, "content": m.content}
 

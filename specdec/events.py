@@ -169,7 +169,10 @@ class RequestStream:
     def put(self, event: Event) -> None:
         """From the scheduler thread."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._aq.put_nowait, event)  # type: ignore[union-attr]
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, event)  # type: ignore
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                self.cancelled.set()
         else:
             self._q.put(event)
 
@@ -177,6 +180,20 @@ class RequestStream:
         self.cancelled.set()
 
     def __iter__(self) -> Iterator[Event]:
+        ended = False
+        try:
+            for ev in self._events():
+                ended = isinstance(ev, (Finished, Failed))
+                yield ev
+        finally:
+            if not ended:  # the caller stopped reading: stop the request too
+                self.cancel()
+                if self.pump is not None:  # no thread will: the next round drops it
+                    for ev in self._events():
+                        if isinstance(ev, (Finished, Failed)):
+                            break
+
+    def _events(self) -> Iterator[Event]:
         while True:
             if self.pump is None:
                 ev = self._q.get()

@@ -132,28 +132,40 @@ class Output:
         self.prompt_tokens, self.seed, self.k, self.warnings = prompt_tokens, seed, k, warnings
         self.logprobs: list[TokenLogprob | None] = []
         self._attached = 0  # tokens already carried by an event
+        self._ready = 0  # tokens whose text has been released (carried by the next event)
 
     def _emit(self, delta: str, upto: int, final: bool = False) -> None:
-        """Send a text delta with the tokens that begin before `upto` characters."""
-        n = self._attached
-        while n < len(self.text.tokens) and (final or self.text.starts[n] < upto):
-            n += 1
-        toks = tuple(self.text.tokens[self._attached:n])
-        lps = tuple(x for x in self.logprobs[self._attached:n] if x is not None)
+        """Send a text delta; the first event sent carries the tokens not yet carried that
+        begin before `upto` characters (all of them when `final`). Text held back (a possible
+        marker) keeps its tokens for the event that sends it."""
         if not delta and not final:
             return
-        self._attached = n
+        n = self._ready
+        while n < len(self.text.tokens) and (final or self.text.starts[n] < upto):
+            n += 1
+        self._ready = n
+        events: list[Any] = []
         # A tool-mode answer is the call: reported whole once complete (`finish`).
         if self.split is None:
             if delta and not self.tool_mode:
-                self.sink(TextDelta(delta, toks, lps))
-            return
-        r, a = self.split.feed(delta, final)
-        if r:
-            self.sink(ReasoningDelta(r, toks, lps))
-            toks, lps = (), ()
-        if a and not self.tool_mode:
-            self.sink(TextDelta(a, toks, lps))
+                events.append(TextDelta)
+            texts = [delta]
+        else:
+            r, a = self.split.feed(delta, final)
+            texts = [t for t, keep in ((r, bool(r)), (a, bool(a) and not self.tool_mode))
+                     if keep]
+            events = [kind for kind, t, keep in ((ReasoningDelta, r, bool(r)),
+                                                 (TextDelta, a, bool(a) and not self.tool_mode))
+                      if keep]
+        for i, (kind, text) in enumerate(zip(events, texts)):
+            toks, lps = self._take() if i == 0 else ((), ())
+            self.sink(kind(text, toks, lps))
+
+    def _take(self) -> tuple[tuple[TokenId, ...], tuple[TokenLogprob, ...]]:
+        """The tokens ready and not yet carried by an event, with their logprobs."""
+        a, self._attached = self._attached, self._ready
+        return (tuple(self.text.tokens[a:self._ready]),
+                tuple(x for x in self.logprobs[a:self._ready] if x is not None))
 
     def feed(self, token: TokenId, logprob: TokenLogprob | None = None) -> bool:
         """Add an emitted token; returns True when a stop string ended the output."""
@@ -172,6 +184,7 @@ class Output:
         kept = self.text.kept(full)
         sent = self.text.sent
         self.text.tokens, self.text.starts = self.text.tokens[:kept], self.text.starts[:kept]
+        self._ready, self._attached = min(self._ready, kept), min(self._attached, kept)
         self.text.sent = len(full)
         self._emit(full[sent:], len(full), final=True)
         tokens = tuple(self.text.tokens)
@@ -188,8 +201,8 @@ class Output:
             answer = ""
             if call is not None:
                 calls, finish = (call,), "tool_calls"
-                self.sink(ToolCallDelta(0, call.id, call.name, call.arguments, tokens,
-                                        tuple(x for x in self.logprobs[:kept] if x)))
+                self._ready = kept
+                self.sink(ToolCallDelta(0, call.id, call.name, call.arguments, *self._take()))
         stats = GenerationStats(
             prompt_tokens=self.prompt_tokens, completion_tokens=kept,
             decode_s=max(seconds - counters.prefill_s, 0.0), seed=self.seed, k=self.k,

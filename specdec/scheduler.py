@@ -158,6 +158,8 @@ class Scheduler:
         with self._cv:
             if self.fatal is not None:
                 raise SchedulerStopped(f"the server stopped after a fatal error: {self.fatal}")
+            if self._stop:
+                raise SchedulerStopped("the engine's scheduler has stopped")
             # Capacity: max_batch decoding plus max_queue waiting (admission lags a round).
             if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{self.max_batch} requests are decoding and "
@@ -196,9 +198,15 @@ class Scheduler:
                 if self._stop:
                     if self.publish is not None and self.fatal is None:
                         self._publish(Decisions(stop=True))
-                    return
+                    tickets = [*self._active, *self._waiting]
+                    self._active, self._waiting = [], deque()
+                    break
             if not self.pump():
                 return
+        for t in tickets:  # stopped with requests in hand: each stream ends, none hangs
+            if t.state is not None:
+                t.state.release()
+            t.output.fail(SchedulerStopped("the engine stopped before this request finished"))
 
     def pump(self) -> bool:
         """One turn of the loop on the calling thread: admit waiting requests, run a round.

@@ -146,7 +146,10 @@ def test_cli_and_server_give_the_same_tokens_usage_and_logprobs_with_a_mid_token
                 "num_draft_tokens": 0}, timeout=300)
         return r
 
-    r = asyncio.run(ask())
+    try:
+        r = asyncio.run(ask())
+    finally:
+        engine.close()  # later tests decode on their own thread again
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -201,3 +204,44 @@ def test_each_api_names_the_engines_fields_its_own_way():
     assert param(chat, "sampling.temperature") == param(responses, "sampling.temperature") \
         == "temperature"
     assert param(messages, "stop") == "stop_sequences"
+
+
+@pytest.mark.parametrize("tokens,kw", [
+    ([1, 2, 3, 10], {}),
+    ([1, 2, 3, 10], {"stop": ("de",)}),
+    # thinking: the split holds text back (a possible end marker) across several tokens
+    ([4, 1, 2, 1, 2, 5, 6, 3, 10], {"thinking": Thinking("</think>", "<think>")}),
+    ([4, 1, 2, 5, 6, 7, 8, 9], {"thinking": Thinking("</think>", "<think>"),
+                               "tool_mode": True}),
+    ([7, 8, 9], {"tool_mode": True}),
+], ids=["plain", "stop", "thinking", "thinking-then-call", "call"])
+def test_every_kept_token_and_logprob_is_carried_by_exactly_one_event_in_order(tokens, kw):
+    events = Output(decode, (got := []).append, reasoning_tokens=lambda t, th: 0, **kw)
+    for i, t in enumerate(tokens):
+        if events.feed(t, TokenLogprob(t, -0.1 * (i + 1))):
+            break
+    done = events.finish("stop", SpecStats(), 1.0)
+    carried = [t for e in got[:-1] for t in e.tokens]
+    assert carried == list(done.tokens)
+    assert [x.token for e in got[:-1] for x in e.logprobs] == list(done.tokens)
+
+
+@pytest.mark.model
+def test_a_stopped_scheduler_ends_every_stream_and_the_engine_decodes_inline_again(engine):
+    from specdec.scheduler import SchedulerStopped
+
+    req = engine.prepare(GenerateRequest(messages=(Message("user", "Count to ten."),),
+                                         max_tokens=40, sampling=SamplingParams()))
+    engine.start()
+    streams = [engine.submit(req) for _ in range(3)]
+    engine.close()  # mid-decode: what the thread still holds ends with Failed, nothing hangs
+    ends = [list(s)[-1] for s in streams]
+    assert all(isinstance(e, (Finished, Failed)) for e in ends)
+    assert any(isinstance(e, Failed) and isinstance(e.error, SchedulerStopped) for e in ends) \
+        or all(isinstance(e, Finished) for e in ends)
+    again = engine.generate(req)  # no thread now: this thread runs the rounds
+    assert again.finish_reason in ("stop", "length") and again.tokens
+    early = engine.submit(req)
+    for _ in early:  # a reader that stops early cancels its request
+        break
+    assert early.cancelled.is_set() and engine._inline.active == 0  # dropped, slots freed

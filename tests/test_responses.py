@@ -1,8 +1,8 @@
 """`/v1/responses` on the real server (`specdec serve` on loopback) driven by the official
 clients: the openai SDK's `responses.create` / `parse` / `stream`, the openai-agents SDK's
-default (Responses) model with a structured `output_type`, and a reasoning template's
-think block as a reasoning item. Schemas are bounded so the
-embedded 135M model finishes within a few dozen tokens."""
+default (Responses) model with a structured `output_type`; and (in process, the same
+client over the app) a reasoning template's think block as a reasoning item. Schemas are
+bounded so the embedded 135M model finishes within a few dozen tokens."""
 
 from __future__ import annotations
 
@@ -101,14 +101,33 @@ def test_agents_sdk_default_model_gives_structured_final_output(server):
 def test_reasoning_effort_gives_a_reasoning_item_then_the_json_answer(embedded):
     # A template with a think block (the embedded vocabulary has no think tokens: the
     # markers are text); the thinking goes into the reasoning item, never into the answer.
-    s = Server("--chat-template", str(TEMPLATES / "qwen3_style.jinja"))
+    # The official client in process (the app over httpx's ASGI transport): no second server.
+    import asyncio
+
+    import httpx
+
+    from server.app import create_app
+    from server.door import ServeConfig
+    from specdec.engine import Engine, EngineDefaults
+
+    engine = Engine(embedded, defaults=EngineDefaults(
+        chat_template=(TEMPLATES / "qwen3_style.jinja").read_text()))
+    app = create_app(engine, ServeConfig())
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test/v1", timeout=300) as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused",
+                                        http_client=http, max_retries=0)
+            return await client.responses.create(
+                model="default", input="A color as JSON.", reasoning={"effort": "low"},
+                text={"format": {"type": "json_object"}}, max_output_tokens=80,
+                temperature=0, extra_body={"max_thinking_tokens": 8})
+
     try:
-        r = s.client().responses.create(
-            model="default", input="A color as JSON.", reasoning={"effort": "low"},
-            text={"format": {"type": "json_object"}}, max_output_tokens=80, temperature=0,
-            extra_body={"max_thinking_tokens": 8})
+        r = asyncio.run(ask())
     finally:
-        s.stop()
+        engine.close()
     thought, answer = r.output
     assert thought.type == "reasoning" and thought.content[0].type == "reasoning_text"
     assert answer.type == "message" and "</think>" not in r.output_text
