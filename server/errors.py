@@ -44,7 +44,7 @@ def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
     if e.param is None or isinstance(e, WireError):
         return e.param
     if e.param in params:
-        return params[e.param]
+        return params[e.param].removesuffix("[]")
     head, _, rest = e.param.partition(".")
     base = head.partition("[")[0]  # "messages[2]": an index into the neutral conversation
     if base in params and params[base]:
