@@ -23,6 +23,7 @@ from specdec import blas
 from specdec.engine import Engine
 from specdec.events import Finished
 from specdec.models import load
+from tests import tally
 from tests.families import make_family
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -166,6 +167,8 @@ def test_every_api_streamed_or_not_gives_plain_chat_completions_tokens(served, t
     want_tokens, (want_reasoning, want_answer) = got.pop("plain")
     jsonschema.validate(json.loads(want_answer), SCHEMA)
     assert bool(want_reasoning) == thinking
+    for toks, _ in got.values():
+        tally.record("apis: chat, responses, messages x stream vs plain chat", toks == want_tokens)
     for cell, (toks, (reasoning, answer)) in got.items():
         assert toks == want_tokens, cell
         assert (reasoning, answer) == (want_reasoning, want_answer), cell
