@@ -6,12 +6,17 @@ in `model.safetensors`, a `generation_config.json` with the family's end-of-turn
 tokenizer of the family's kind trained here with `tokenizers` on a small corpus:
 ByteLevel BPE (Llama 3, Qwen, Phi 3 in this matrix) or SentencePiece-style BPE with byte
 fallback (Gemma, Mistral/Llama 2), each with its chat template. Nothing is downloaded.
+
+TOOL_FORMATS: the tool-calling formats (Hermes/Qwen 2.5, Qwen 3, Llama 3.1 JSON, Mistral v0.3,
+Qwen3-Coder XML, DeepSeek V3, gpt-oss Harmony), each a family's tokenizer with that format's
+markup tokens (as the real tokenizers have them: special or added text tokens), its chat
+template (tests/templates/tools_*.jinja, of the real template's shape) and its end-of-turn ids.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,10 @@ class TokenizerKind:
     eos: str
     end_of_turn: str
     template: str
+    # Tokens added after training as text (not special: they decode with the text), as the
+    # real tokenizers add <tool_call> or <think>; and lines trained on besides CORPUS.
+    added: tuple[str, ...] = ()
+    corpus: tuple[str, ...] = ()
 
 
 TOKENIZERS = {
@@ -72,6 +81,70 @@ TOKENIZERS = {
 
 
 THINK_TOKENS = ("<think>", "</think>")
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def _template(name: str) -> str:
+    return (TEMPLATES / name).read_text()
+
+
+# Text of the tool formats' markup (what is not a single token), so the trained BPE spells it
+# in few pieces.
+TOOL_CORPUS = (
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather.", '
+    '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}, '
+    '"required": ["city"]}}}',
+    '{"content": "sunny", "call_id": "a1b2c3d4e", "id": "a1b2c3d4e", "output": "sunny"}',
+    "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>",
+    "<tools>\n</tools> # Tools You may call one or more functions to assist with the query.",
+    "function\n```json\n{\"city\": \"Paris\"}\n```",
+    "assistant commentary to=functions.get_weather json analysis final to=assistant",
+    "namespace functions { type get_weather = (_: { city: string, }) => any; }",
+    "system user assistant tool ipython developer Environment: ipython",
+)
+
+QWEN_TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # Qwen 2.5: added, not special
+QWEN3_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                     "<think>", "</think>")  # Qwen 3 (and Qwen3-Coder): added, not special
+DEEPSEEK_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+                   "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                   "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+                   "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                   "<｜tool▁sep｜>")  # DeepSeek V3: added, not special
+
+TOKENIZERS.update({
+    "qwen2.5-tools": replace(TOKENIZERS["chatml"], added=QWEN_TOOL_TOKENS, corpus=TOOL_CORPUS,
+                             template=_template("tools_hermes.jinja")),
+    "qwen3-tools": replace(TOKENIZERS["chatml"], added=QWEN3_TOOL_TOKENS, corpus=TOOL_CORPUS,
+                           template=_template("tools_qwen3.jinja")),
+    "llama3.1": TokenizerKind(True, ("<|begin_of_text|>", "<|end_of_text|>",
+                                     "<|finetune_right_pad_id|>", "<|start_header_id|>",
+                                     "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                                     "<|python_tag|>"),
+                              "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>",
+                              _template("tools_llama31.jinja"), corpus=TOOL_CORPUS),
+    "mistral-v3": TokenizerKind(False, ("<unk>", "<s>", "</s>", "[INST]", "[/INST]",
+                                        "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                        "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                                        "[/TOOL_RESULTS]"),
+                                "<s>", "</s>", "</s>", _template("tools_mistral.jinja"),
+                                corpus=TOOL_CORPUS),
+    "deepseek-v3": TokenizerKind(True, ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                                        "<｜▁pad▁｜>"),
+                                 "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                                 "<｜end▁of▁sentence｜>", _template("tools_deepseek.jinja"),
+                                 added=DEEPSEEK_TOKENS, corpus=TOOL_CORPUS),
+    # o200k_harmony: every Harmony marker special; generation ends with <|return|> (an answer)
+    # or <|call|> (a tool call); no BOS added to encoded text.
+    "harmony": TokenizerKind(True, ("<|startoftext|>", "<|endoftext|>", "<|return|>",
+                                    "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                                    "<|message|>", "<|call|>"),
+                             None, "<|return|>", "<|call|>", _template("tools_harmony.jinja"),
+                             corpus=TOOL_CORPUS),
+})
 
 
 def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700, think: bool = False
@@ -100,9 +173,10 @@ def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700, think: bool
         specials = list(kind.specials) + [f"<0x{b:02X}>" for b in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
                                   initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    if think:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tok.train_from_iterator(CORPUS + list(kind.corpus), trainer)
+    added = list(kind.added) + [t for t in THINK_TOKENS if think and t not in kind.added]
+    if added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if kind.bos:  # as the families' own tokenizer.json: BOS added to encoded text
         from tokenizers import processors
 
@@ -165,17 +239,19 @@ FAMILIES: dict[str, tuple[str, Any]] = {
 
 
 def make_family(name: str, out: Path, seed: int = 0, think: bool = False,
-                template: str | None = None, scale: float = 8.0) -> Path:
+                template: str | None = None, scale: float = 8.0, tokenizer: str | None = None,
+                eos: tuple[str, ...] | None = None) -> Path:
     """Write family `name`'s model directory to `out` (random weights from `seed`); `think`:
     its tokenizer has the think tokens; `template`: its chat template instead of the
-    family's; `scale`: the embeddings' and head's factor (smaller: flatter choices)."""
+    family's; `scale`: the embeddings' and head's factor (smaller: flatter choices);
+    `tokenizer`: a TOKENIZERS kind instead of the family's; `eos`: the tokens that end
+    generation (generation_config.json) instead of the kind's EOS and end of turn."""
     from mlx_lm.utils import _get_classes
 
     tok_name, config_of = FAMILIES[name]
-    kind = TOKENIZERS[tok_name]
+    kind = TOKENIZERS[tokenizer or tok_name]
     if template is not None:
-        kind = TokenizerKind(kind.byte_level, kind.specials, kind.bos, kind.eos,
-                             kind.end_of_turn, template)
+        kind = replace(kind, template=template)
     vocab = make_tokenizer(kind, out, think=think)
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
@@ -196,8 +272,48 @@ def make_family(name: str, out: Path, seed: int = 0, think: bool = False,
     (out / "config.json").write_text(json.dumps(config))
     # The end-of-turn id comes from generation_config.json only, as for Gemma and Llama 3.
     (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": sorted({ids[kind.eos], ids[kind.end_of_turn]})}))
+        {"eos_token_id": sorted({ids[t] for t in (eos or (kind.eos, kind.end_of_turn))})}))
     return out
+
+
+@dataclass(frozen=True)
+class ToolFamily:
+    """A tool-calling format: the model config (a FAMILIES name; the architecture does not
+    matter to the format), the TOKENIZERS kind with the format's tokens, the chat template
+    (a file in tests/templates/) and the tokens that end generation, as the real family's
+    generation_config.json lists them."""
+
+    family: str
+    tokenizer: str
+    template: str
+    eos: tuple[str, ...]
+
+
+TOOL_FORMATS: dict[str, ToolFamily] = {
+    # Qwen 2.5 Instruct: generation_config [<|endoftext|>, <|im_end|>] (151643, 151645).
+    "hermes": ToolFamily("qwen2.5", "qwen2.5-tools", "tools_hermes.jinja",
+                         ("<|endoftext|>", "<|im_end|>")),
+    "qwen3": ToolFamily("qwen3", "qwen3-tools", "tools_qwen3.jinja",
+                        ("<|endoftext|>", "<|im_end|>")),
+    # Llama 3.1 Instruct: [<|end_of_text|>, <|eom_id|>, <|eot_id|>] (128001, 128008, 128009).
+    "llama31": ToolFamily("llama3-untied", "llama3.1", "tools_llama31.jinja",
+                          ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")),
+    "mistral": ToolFamily("mistral", "mistral-v3", "tools_mistral.jinja", ("</s>",)),
+    "qwen3_coder": ToolFamily("qwen3", "qwen3-tools", "tools_qwen3_coder.jinja",
+                              ("<|endoftext|>", "<|im_end|>")),
+    "deepseek": ToolFamily("llama3-tied", "deepseek-v3", "tools_deepseek.jinja",
+                           ("<｜end▁of▁sentence｜>",)),
+    # gpt-oss: [<|return|>, <|endoftext|>, <|call|>] (200002, 199999, 200012).
+    "harmony": ToolFamily("llama3-tied", "harmony", "tools_harmony.jinja",
+                          ("<|return|>", "<|endoftext|>", "<|call|>")),
+}
+
+
+def make_tool_family(key: str, out: Path, seed: int = 0) -> Path:
+    """Write the model directory of tool format `key` (TOOL_FORMATS) to `out`."""
+    f = TOOL_FORMATS[key]
+    return make_family(f.family, out, seed, template=_template(f.template),
+                       tokenizer=f.tokenizer, eos=f.eos)
 
 
 def quantize_family(src: Path, out: Path, bits: int) -> Path:
