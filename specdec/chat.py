@@ -93,7 +93,8 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ChatTemplateError(f"messages[{i}] needs a string 'role'")
-        if not isinstance(m.get("content", ""), str):
+        if not isinstance(m.get("content", ""), str) and not (
+                m.get("content") is None and (m.get("tool_calls") or m["role"] == "assistant")):
             raise ChatTemplateError(f"messages[{i}].content must be a string")
 
 

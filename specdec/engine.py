@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import json
 import secrets
 import threading
 import weakref
@@ -21,12 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .chat import render_chat, render_thinking
+from .chat import NO_THINK_KWARGS, render_chat, render_thinking
 from .core import DecodeState, Models, new_state
 from .decode import PromptKVCache, TokenId
 from .errors import RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
-from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
+from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError, to_grammar
 from .models import LoadedModel, gpu_backend
 from .output import Output
 from .reasoning import Thinking, marker_ids
@@ -34,6 +35,8 @@ from .request import GenerateRequest, Message, NamedTool, Tool
 from .sampling import SamplingParams
 from .scheduler import Decisions, Scheduler, Ticket
 from .speculative import DraftConfigError, SpecConfig
+from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
+                    tools_grammar)
 
 __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
            "GenerationStats", "Request", "RequestError"]
@@ -88,7 +91,8 @@ class Request:
         logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
             alternatives (`events.TokenLogprob`).
         thinking: think before the constrained answer (`reasoning.Thinking`), or None.
-        tools: the tools one of which the output calls (tool mode: the output is a call).
+        tools: the tools the output may call (its grammar holds them).
+        calls: how the output's calls are read back (None: the output is text).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -101,6 +105,7 @@ class Request:
     logprobs: int | None = None
     thinking: Thinking | None = None
     tools: tuple[Tool, ...] = ()
+    calls: CallParser | None = field(default=None, repr=False, compare=False)
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -175,6 +180,8 @@ class Engine:
         self._pumping = threading.Lock()
         self.request_timeout_s: float | None = None
         self._replicas = False
+        self._formats: dict[str, ToolFormat] = {}
+        self._specials: dict[str, int] | None = None
 
     # -- the scheduler -------------------------------------------------------------------
     def start(self, *, max_batch: int = 8, max_queue: int = 64,
@@ -235,10 +242,9 @@ class Engine:
 
     def output(self, req: Request, sink: Callable[[Event], None]) -> Output:
         """The request's output router (`output.Output`), putting its events into `sink`."""
-        # Stop strings end text: they never cut a forced call (its grammar ends it).
-        return Output(self.decode_text, sink, stop=() if req.tools else req.stop,
-                      thinking=req.thinking,
-                      tool_mode=bool(req.tools), reasoning_tokens=self.reasoning_tokens,
+        return Output(self.decode_text, sink, stop=req.stop, thinking=req.thinking,
+                      calls=dataclasses.replace(req.calls) if req.calls else None,  # its own ids
+                      reasoning_tokens=self.reasoning_tokens,
                       prompt_tokens=len(req.prompt_ids), seed=req.sampling.seed,
                       k=req.spec.k if req.spec else 0, warnings=req.warnings)
 
@@ -378,10 +384,13 @@ class Engine:
         return self._prepare_ids(request, **fields)
 
     def _prepare_request(self, r: GenerateRequest) -> Request:
-        tools, constraint = self._tools(r)
+        tools = self._tools(r)
         if (r.messages == ()) == (r.prompt is None):
             raise RequestError("give either messages or a prompt", param="messages")
+        if tools and r.prompt is not None:
+            raise RequestError("tools need chat messages, not a raw prompt", param="tools")
         thinking = None
+        fmt: ToolFormat | None = None
         if r.prompt is not None:
             if r.thinking:
                 raise RequestError("thinking needs chat messages, not a raw prompt",
@@ -389,17 +398,28 @@ class Engine:
             ids = (self.encode(r.prompt, raw=True) if isinstance(r.prompt, str)
                    else list(r.prompt))
         else:
-            msgs = [template_message(m, i) for i, m in enumerate(r.messages)]
+            history = any(m.tool_calls or m.role == "tool" for m in r.messages)
+            if tools or history:
+                fmt = self.tool_format()
+            msgs = [template_message(m, i, fmt) for i, m in enumerate(r.messages)]
             kwargs = dict(r.template_kwargs)
             if r.reasoning_effort is not None:
                 kwargs.setdefault("reasoning_effort", r.reasoning_effort)
-            if tools:  # the template shows the model its tools, where it can
-                kwargs["tools"] = [tool_schema(t) for t in tools]
+            schemas = [tool_schema(t) for t in tools]
+            if fmt is not None and fmt.source == "generic":
+                msgs = generic_messages(msgs, schemas)
+            elif tools:  # the template shows the model its tools
+                kwargs["tools"] = schemas
+            constrained = bool(tools) or r.constraint is not None
             if r.thinking:
                 ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
             else:
-                ids = self.chat_prompt(msgs, constrained=constraint is not None,
-                                       template_kwargs=kwargs)
+                ids = self.chat_prompt(msgs, constrained=constrained, template_kwargs=kwargs)
+        constraint = r.constraint
+        calls = None
+        if tools:
+            assert fmt is not None
+            constraint, calls = self._tools_constraint(r, tools, fmt)
         max_tokens = r.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(self.defaults.max_tokens, self.context_length - len(ids)))
@@ -420,39 +440,86 @@ class Engine:
                                 max_tokens=max_tokens, stop=r.stop, spec=spec,
                                 compile_timeout_s=self.defaults.compile_timeout_s,
                                 logprobs=r.logprobs, thinking=thinking)
-        return dataclasses.replace(req, tools=tools)
+        return dataclasses.replace(req, tools=tools, calls=calls)
 
-    def _tools(self, r: GenerateRequest) -> tuple[tuple[Tool, ...], Constraint | None]:
-        """The tools a tool-mode output calls one of, and the output's constraint."""
+    def _tools(self, r: GenerateRequest) -> tuple[Tool, ...]:
+        """The tools the output may call (none with tool_choice "none")."""
         choice = r.tool_choice
-        if choice == "none" or not r.tools:
+        if not r.tools:
             if isinstance(choice, NamedTool) or choice == "required":
                 raise RequestError("tool_choice needs a non-empty list of tools",
                                    param="tools")
-            return (), r.constraint
+            return ()
         names = [t.name for t in r.tools]
         if len(set(names)) != len(names):
             raise RequestError("tool names must be unique", param="tools")
-        if choice == "auto":
-            raise RequestError("tool_choice 'auto' (the default with tools) is not supported "
-                               "yet: force a call ('required' or a named tool) or give none",
-                               param="tool_choice", code="unsupported_parameter")
-        tools = r.tools
+        bad = next((n for n in names if not n or any(c in n for c in "\"\\\n<>")), None)
+        if bad is not None:
+            raise RequestError(f"tool name {bad!r}: use letters, digits, '_', '-' and '.'",
+                               param="tools")
+        if isinstance(choice, NamedTool) and choice.name not in names:
+            raise RequestError(f"tool_choice names {choice.name!r}, which is not in tools",
+                               param="tool_choice")
+        return () if choice == "none" else r.tools
+
+    def _tools_constraint(self, r: GenerateRequest, tools: tuple[Tool, ...], fmt: ToolFormat
+                          ) -> tuple[Constraint, CallParser]:
+        """The answer's grammar: text (or the response format) or calls of `tools` in the
+        model's format (`tools.tools_grammar`), and the parser that reads the calls back."""
+        choice = r.tool_choice
         if isinstance(choice, NamedTool):
-            tools = tuple(t for t in r.tools if t.name == choice.name)
-            if not tools:
-                raise RequestError(f"tool_choice names {choice.name!r}, which is not in "
-                                   "tools", param="tool_choice")
-        if r.constraint is not None:
+            tools = tuple(t for t in tools if t.name == choice.name)
+        text = choice == "auto"
+        if not text and r.constraint is not None:
             raise RequestError("a forced tool call and an output format cannot both "
                                "constrain the output", param="tool_choice")
-        calls = [{"type": "object", "additionalProperties": False,
-                  "required": ["name", "arguments"],
-                  "properties": {"name": {"const": t.name}, "arguments": dict(t.parameters)}}
-                 for t in tools]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        strict = all(t.strict for t in tools)
-        return tuple(tools), Constraint.json_schema(schema, lenient=not strict)
+        answer = to_grammar(r.constraint) if r.constraint is not None else None
+        specs = [ToolSpec(t.name, dict(t.parameters), t.strict) for t in tools]
+        parallel = r.parallel_tool_calls and not isinstance(choice, NamedTool)
+        grammar = tools_grammar(fmt, specs, text=text, answer=answer, parallel=parallel,
+                                specials=self.special_tokens)
+        strings = {t.name: frozenset(k for k, v in (t.parameters.get("properties") or {}).items()
+                                     if isinstance(v, Mapping) and v.get("type") == "string")
+                   for t in tools if t.parameters.get("properties")}
+        return Constraint.tools(grammar), CallParser(fmt, strings)
+
+    def tool_format(self, template: str | None = None) -> ToolFormat:
+        """The tool-call format of the chat template (`tools.detect`; cached)."""
+        source = template or self.defaults.chat_template or getattr(
+            self.target.tokenizer, "chat_template", None) or ""
+        key = source if isinstance(source, str) else str(source)
+        with self._lock:
+            hit = self._formats.get(key)
+        if hit is not None:
+            return hit
+        if not key:
+            fmt = GENERIC
+        else:
+            tok = self.target.tokenizer
+
+            def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                       gen: bool) -> str:
+                return str(tok.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=gen,
+                    chat_template=template or self.defaults.chat_template,
+                    **NO_THINK_KWARGS))
+
+            ends = [self.decode_text([t]) for t in self.target.eos_token_ids]
+            fmt = detect(render, ends)
+        with self._lock:
+            self._formats[key] = fmt
+        return fmt
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens (as the grammar names them: by id), by text."""
+        if self._specials is None:
+            llt = self.compiler.tokenizer
+            added = getattr(self.target.tokenizer, "added_tokens_decoder", {}) or {}
+            self._specials = {str(getattr(t, "content", t)): int(i) for i, t in added.items()
+                              if int(i) < self.target.vocab_size and
+                              llt.is_special_token(int(i))}
+        return self._specials
 
     def _prepare_ids(self, prompt_ids: Sequence[TokenId], *,
                      constraint: Constraint | None = None,
@@ -558,17 +625,40 @@ class Engine:
 ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a constraint
 
 
-def template_message(m: Message, i: int) -> dict[str, Any]:
-    """A conversation turn as chat templates take it (OpenAI's message shape).
+def template_message(m: Message, i: int, fmt: ToolFormat | None = None) -> dict[str, Any]:
+    """A conversation turn as chat templates take it (OpenAI's message shape): an
+    assistant's calls with their arguments as the format's template reads them (the JSON
+    text as sent, or parsed), a tool result with the id of the call it answers.
 
     Raises:
-        RequestError: tool calls or tool results in the history (not implemented yet).
+        RequestError (param `messages[i]`): a call whose arguments are not a JSON object.
     """
-    if m.tool_calls or m.role == "tool":
-        raise RequestError("tool calls and tool results in the history are not supported "
-                           f"yet (turn {i + 1} of the conversation)", param=f"messages[{i}]",
-                           code="unsupported_parameter")
-    return {"role": m.role, "content": m.content}
+    if m.role == "tool":
+        out: dict[str, Any] = {"role": "tool", "content": m.content,
+                               "tool_call_id": m.tool_call_id}
+        if m.name:
+            out["name"] = m.name
+        return out
+    msg: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:
+                args = json.loads(c.arguments) if c.arguments.strip() else {}
+            except ValueError as e:
+                raise RequestError(f"the arguments of call {c.id!r} are not JSON: {e}",
+                                   param=f"messages[{i}]", code="invalid_tool_call") from e
+            if not isinstance(args, dict):
+                raise RequestError(f"the arguments of call {c.id!r} must be a JSON object",
+                                   param=f"messages[{i}]", code="invalid_tool_call")
+            text = c.arguments if c.arguments.strip() else "{}"
+            use_text = fmt is not None and fmt.arguments == "string"
+            calls.append({"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": text if use_text else args}})
+        msg["tool_calls"] = calls
+        if not m.content:
+            msg["content"] = None if fmt is not None and fmt.source != "generic" else ""
+    return msg
 
 
 def tool_schema(t: Tool) -> dict[str, Any]:

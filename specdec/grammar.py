@@ -45,7 +45,9 @@ class GrammarError(RequestError):
     """
 
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"invalid {kind} constraint: {message}", param="constraint",
+        what = "tool parameters" if kind == "tools" else f"{kind} constraint"
+        super().__init__(f"invalid {what}: {message}",
+                         param="tools" if kind == "tools" else "constraint",
                          code="invalid_grammar")
         self.constraint_kind = kind
 
@@ -63,7 +65,7 @@ class Constraint:
             as `anyOf` (both reported as warnings) instead of refusing the schema.
     """
 
-    kind: ConstraintKind
+    kind: ConstraintKind | Literal["tools"]
     value: Any = None
     lenient: bool = False
     json_options: tuple[tuple[str, Any], ...] = field(default=())
@@ -71,6 +73,11 @@ class Constraint:
     @staticmethod
     def json_schema(schema: dict[str, Any] | str, lenient: bool = False) -> "Constraint":
         return Constraint("json_schema", schema, lenient)
+
+    @staticmethod
+    def tools(grammar: str) -> "Constraint":
+        """Text or tool calls: a grammar `tools.tools_grammar` wrote (llguidance JSON)."""
+        return Constraint("tools", grammar)
 
     @staticmethod
     def json_object() -> "Constraint":
@@ -112,6 +119,8 @@ def to_grammar(c: Constraint) -> str:
     Raises:
         GrammarError: malformed input that can be detected without compiling.
     """
+    if c.kind == "tools":
+        return str(c.value)
     if c.kind not in CONSTRAINT_KINDS:
         raise GrammarError(str(c.kind), f"unknown constraint kind; expected one of "
                                         f"{', '.join(CONSTRAINT_KINDS)}")

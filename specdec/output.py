@@ -8,8 +8,6 @@ that text into reasoning, answer or a tool call and puts the events into the req
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +16,7 @@ from .events import (Event, Failed, FinishReason, Finished, GenerationStats, Rea
                      TextDelta, TokenId, TokenLogprob, ToolCall, ToolCallDelta, Usage)
 from .reasoning import SEPARATOR, ReasoningDeltas, Thinking, split_reasoning
 from .speculative import SpecStats
+from .tools import ID, CallParser
 
 
 class TextStream:
@@ -38,10 +37,11 @@ class TextStream:
     tokens that begin before it (`kept`).
     """
 
-    def __init__(self, decode: Any, stop: Sequence[str], answer_after: str | None = None
-                 ) -> None:
+    def __init__(self, decode: Any, stop: Sequence[str], answer_after: str | None = None,
+                 calls_from: Sequence[str] = ()) -> None:
         self._decode, self._stop = decode, tuple(stop)
         self._after = answer_after  # stop strings apply only after it (a think block's end)
+        self._calls_from = tuple(c for c in calls_from if c)  # ... and never inside calls
         self._hold = max((len(x) for x in stop), default=0)
         self.tokens: list[TokenId] = []
         self.starts: list[int] = []
@@ -62,13 +62,17 @@ class TextStream:
         if not self._stop:
             return False
         start = max(0, since - self._hold + 1)
+        answer = 0
         if self._after is not None:
             at = self._text.find(self._after)
             if at < 0:
                 return False
-            start = max(start, at + len(self._after))
+            answer = at + len(self._after)
+            start = max(start, answer)
+        limit = min((at for at in (self._text.find(c, answer) for c in self._calls_from)
+                     if at >= 0), default=None)
         hits = [(i, x) for i, x in ((self._text.find(x, start), x) for x in self._stop)
-                if i >= 0]
+                if i >= 0 and (limit is None or i < limit)]
         if hits:
             at, self.stopped_by = min(hits, key=lambda h: (h[0], -len(h[1])))
             self._cut = self._text[:at]
@@ -110,29 +114,36 @@ class Output:
     Args:
         decode: token ids → text.
         sink: called with each event (on the scheduler thread).
-        stop: stop strings (answer only).
+        stop: stop strings (answer text only: never inside reasoning or a call).
         thinking: the request's think block, or None.
-        tool_mode: the answer is one call, `{"name": ..., "arguments": {...}}` under the
-            grammar: it is reported as a `ToolCallDelta` once complete (a call cut by
-            max_tokens is reported as finish "length" with no call, never half-written).
+        calls: reads the answer as text and tool calls (`tools.CallParser`): text deltas
+            never hold call markup; a call streams as `ToolCallDelta`s (its id and name
+            first, then its arguments); a call cut by max_tokens is not reported in
+            `Finished` (finish "length"), never half-written.
         reasoning_tokens: counts a thinking output's think-block tokens.
         prompt_tokens, seed, k, warnings: reported in `Finished`.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], sink: Callable[[Event], None],
                  *, stop: Sequence[str] = (), thinking: Thinking | None = None,
-                 tool_mode: bool = False,
+                 calls: CallParser | None = None,
                  reasoning_tokens: Callable[[Sequence[int], Thinking], int] | None = None,
                  prompt_tokens: int = 0, seed: int | None = None, k: int = 0,
                  warnings: tuple[str, ...] = ()) -> None:
-        self.text = TextStream(decode, stop, thinking.close + SEPARATOR if thinking else None)
-        self.sink, self.thinking, self.tool_mode = sink, thinking, tool_mode
+        fmt = calls.fmt if calls is not None else None
+        self.text = TextStream(decode, stop, thinking.close + SEPARATOR if thinking else None,
+                               calls_from=(fmt.marker, fmt.first, fmt.text_open + (
+                                   fmt.after_text or "").split(ID)[0]) if fmt else ())
+        self.sink, self.thinking, self.calls = sink, thinking, calls
         self.split = ReasoningDeltas(thinking) if thinking is not None else None
         self._reasoning_tokens = reasoning_tokens
         self.prompt_tokens, self.seed, self.k, self.warnings = prompt_tokens, seed, k, warnings
         self.logprobs: list[TokenLogprob | None] = []
         self._attached = 0  # tokens already carried by an event
         self._ready = 0  # tokens whose text has been released (carried by the next event)
+        self._answer = ""  # the answer so far (read by `calls`)
+        self._text_sent = 0  # characters of the calls' answer text sent
+        self._args_sent: dict[int, int] = {}  # call index -> characters of arguments sent
 
     def _emit(self, delta: str, upto: int, final: bool = False) -> None:
         """Send a text delta; the first event sent carries the tokens not yet carried that
@@ -144,22 +155,36 @@ class Output:
         while n < len(self.text.tokens) and (final or self.text.starts[n] < upto):
             n += 1
         self._ready = n
-        events: list[Any] = []
-        # A tool-mode answer is the call: reported whole once complete (`finish`).
-        if self.split is None:
-            if delta and not self.tool_mode:
-                events.append(TextDelta)
-            texts = [delta]
+        r, a = (("", delta) if self.split is None else self.split.feed(delta, final))
+        events: list[tuple[Any, tuple[Any, ...]]] = [(ReasoningDelta, (r,))] if r else []
+        if self.calls is None:
+            if a:
+                events.append((TextDelta, (a,)))
         else:
-            r, a = self.split.feed(delta, final)
-            texts = [t for t, keep in ((r, bool(r)), (a, bool(a) and not self.tool_mode))
-                     if keep]
-            events = [kind for kind, t, keep in ((ReasoningDelta, r, bool(r)),
-                                                 (TextDelta, a, bool(a) and not self.tool_mode))
-                      if keep]
-        for i, (kind, text) in enumerate(zip(events, texts)):
+            self._answer += a
+            events += self._call_events(final)
+        for i, (kind, fields) in enumerate(events):
             toks, lps = self._take() if i == 0 else ((), ())
-            self.sink(kind(text, toks, lps))
+            self.sink(kind(*fields, toks, lps))
+
+    def _call_events(self, final: bool) -> list[tuple[Any, tuple[Any, ...]]]:
+        """What became certain of the answer's text and calls since the last time."""
+        assert self.calls is not None
+        text, certain, calls = self.calls.parse(self._answer, final)
+        out: list[tuple[Any, tuple[Any, ...]]] = []
+        if certain > self._text_sent:
+            out.append((TextDelta, (text[self._text_sent:certain],)))
+            self._text_sent = certain
+        fmt = self.calls.fmt
+        whole = fmt.xml is not None or fmt.id_len > 0  # arguments known once complete
+        for c in calls:
+            if whole and not c.done:
+                break
+            sent = self._args_sent.get(c.index)
+            if sent is None or len(c.arguments) > sent:
+                out.append((ToolCallDelta, (c.index, c.id, c.name, c.arguments[sent or 0:])))
+                self._args_sent[c.index] = len(c.arguments)
+        return out
 
     def _take(self) -> tuple[tuple[TokenId, ...], tuple[TokenLogprob, ...]]:
         """The tokens ready and not yet carried by an event, with their logprobs."""
@@ -196,13 +221,11 @@ class Output:
             if self._reasoning_tokens is not None:
                 n_reasoning = self._reasoning_tokens(tokens, self.thinking)
         calls: tuple[ToolCall, ...] = ()
-        if self.tool_mode:
-            call = parse_call(answer) if finish == "stop" else None
-            answer = ""
-            if call is not None:
-                calls, finish = (call,), "tool_calls"
-                self._ready = kept
-                self.sink(ToolCallDelta(0, call.id, call.name, call.arguments, *self._take()))
+        if self.calls is not None:
+            answer, _, parsed = self.calls.parse(answer, final=True)
+            calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in parsed if c.done)
+            if calls and finish == "stop":
+                finish = "tool_calls"
         stats = GenerationStats(
             prompt_tokens=self.prompt_tokens, completion_tokens=kept,
             decode_s=max(seconds - counters.prefill_s, 0.0), seed=self.seed, k=self.k,
@@ -213,13 +236,3 @@ class Output:
                         self.text.stopped_by)
         self.sink(done)
         return done
-
-
-def parse_call(text: str) -> ToolCall | None:
-    """The call in a tool-mode answer (the grammar's `{"name", "arguments"}`), or None."""
-    try:
-        call = json.loads(text)
-        name, args = call["name"], call["arguments"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))

@@ -26,9 +26,15 @@ from specdec.reasoning import Thinking
 from specdec.request import GenerateRequest, Message
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecStats
+from specdec.tools import GENERIC, CallParser
 
-VOCAB = {1: "ab", 2: "cd", 3: "ef", 4: "<think>", 5: "</think>", 6: "\n\n", 7: "{\"name\": ",
-         8: "\"f\", ", 9: "\"arguments\": {}}", 10: "gh"}
+VOCAB = {1: "ab", 2: "cd", 3: "ef", 4: "<think>", 5: "</think>", 6: "\n\n",
+         7: "<tool_call>\n{\"name\": \"", 8: "f\", \"arguments\": ", 9: "{}}\n</tool_call>",
+         10: "gh"}
+
+
+def parser():
+    return CallParser(GENERIC)
 
 
 def decode(ids):
@@ -75,18 +81,30 @@ def test_reasoning_and_answer_arrive_as_their_own_deltas_and_join_to_the_final_s
     assert done.usage.reasoning_tokens == 4 and done.usage.completion_tokens == 7
 
 
-def test_a_tool_call_is_reported_once_complete_and_never_half_written():
-    whole = Output(decode, (got := []).append, tool_mode=True)
+def test_a_tool_call_streams_its_name_then_its_arguments_and_a_cut_one_is_never_reported():
+    whole = Output(decode, (got := []).append, calls=parser())
     for t in (7, 8, 9):
         whole.feed(t)
     whole.finish("stop", SpecStats(), 1.0)
     calls = [e for e in got if isinstance(e, ToolCallDelta)]
-    assert len(calls) == 1 and (calls[0].name, json.loads(calls[0].arguments)) == ("f", {})
+    assert {(c.index, c.id, c.name) for c in calls} == {(0, got[-1].tool_calls[0].id, "f")}
+    assert json.loads("".join(c.arguments for c in calls)) == {}
     assert got[-1].finish_reason == "tool_calls" and got[-1].text == ""
     assert not [e for e in got if isinstance(e, TextDelta)]
-    cut = run_output([7, 8], tool_mode=True)  # max_tokens ran out mid-call
+    cut = run_output([7, 8], calls=parser())  # max_tokens ran out mid-call
     assert cut[-1].finish_reason == "length" and cut[-1].tool_calls == () and \
-        cut[-1].text == "" and len(cut) == 1
+        cut[-1].text == ""
+    assert not [e for e in cut if isinstance(e, TextDelta)]  # markup never reaches content
+
+
+def test_text_then_a_call_streams_the_text_then_the_call_and_holds_markup_back():
+    events = run_output([1, 2, 6, 7, 8, 9], calls=parser(), stop=("tool",))
+    done = events[-1]
+    assert done.text == "abcd\n" and done.finish_reason == "length"
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "abcd\n"
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert {d.id for d in deltas} == {done.tool_calls[0].id} and deltas[0].name == "f"
+    assert "".join(d.arguments for d in deltas) == done.tool_calls[0].arguments == "{}"
 
 
 def test_a_failed_request_ends_with_failed(engine):
@@ -212,9 +230,10 @@ def test_each_api_names_the_engines_fields_its_own_way():
     # thinking: the split holds text back (a possible end marker) across several tokens
     ([4, 1, 2, 1, 2, 5, 6, 3, 10], {"thinking": Thinking("</think>", "<think>")}),
     ([4, 1, 2, 5, 6, 7, 8, 9], {"thinking": Thinking("</think>", "<think>"),
-                               "tool_mode": True}),
-    ([7, 8, 9], {"tool_mode": True}),
-], ids=["plain", "stop", "thinking", "thinking-then-call", "call"])
+                               "calls": parser()}),
+    ([7, 8, 9], {"calls": parser()}),
+    ([1, 6, 7, 8, 9], {"calls": parser()}),
+], ids=["plain", "stop", "thinking", "thinking-then-call", "call", "text-then-call"])
 def test_every_kept_token_and_logprob_is_carried_by_exactly_one_event_in_order(tokens, kw):
     events = Output(decode, (got := []).append, reasoning_tokens=lambda t, th: 0, **kw)
     for i, t in enumerate(tokens):
