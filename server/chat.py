@@ -149,16 +149,19 @@ async def _chunks(door: Door, run: Run, body: Body, rid: str, chat: bool
 
     if chat:
         yield chunk({"role": "assistant", "content": ""})
+    started: set[int] = set()
     async for ev in run.events():
         if isinstance(ev, ReasoningDelta):
             yield chunk({"reasoning_content": ev.text}, lps=ev.logprobs)
         elif isinstance(ev, TextDelta):
             yield chunk({"content": ev.text}, lps=ev.logprobs)
-        elif isinstance(ev, ToolCallDelta):
-            yield chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                         "function": {"name": ev.name,
-                                                      "arguments": ev.arguments}}]},
-                        lps=ev.logprobs)
+        elif isinstance(ev, ToolCallDelta):  # id, type and name with a call's first delta
+            call: dict[str, Any] = {"index": ev.index, "function": {"arguments": ev.arguments}}
+            if ev.index not in started:
+                started.add(ev.index)
+                call.update(id=ev.id, type="function")
+                call["function"] = {"name": ev.name, "arguments": ev.arguments}
+            yield chunk({"content": None, "tool_calls": [call]}, lps=ev.logprobs)
         elif isinstance(ev, Failed):
             yield sse(None, openai_body(ev.error, PARAMS if chat else COMPLETION_PARAMS))
         else:

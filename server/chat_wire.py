@@ -160,8 +160,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "required", "auto"] | NamedToolChoice | None = Field(
-        None, description="'auto' (the default with tools) is refused (400) for now: give "
-                          "'required' or a named function")
+        None, description="'auto' (the default with tools): text or calls, the calls under "
+                          "the tools' grammar; 'required': at least one call; a named "
+                          "function: one call of it; 'none': the tools are ignored")
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=20)

@@ -304,9 +304,6 @@ def router(door: Door) -> APIRouter:
         body = await door.parse(http, CountTokensBody)
         door.check_model(body.model)
         greq = prompt_request(body)
-        if greq.tools and greq.tool_choice == "auto" and greq.constraint is None:
-            # "auto" is not served yet; a forced call's prompt shows the same tools
-            greq = dataclasses.replace(greq, tool_choice="required")
         loop = asyncio.get_running_loop()
         req = await loop.run_in_executor(door.pool, door.engine.prepare, greq)
         return {"input_tokens": len(req.prompt_ids)}
