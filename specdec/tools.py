@@ -4,8 +4,8 @@ A model writes calls the way its chat template renders them in the history. `det
 that format off the template: it renders a probe conversation (a turn with text, with one
 call, with two calls, with arguments of one and two keys) and keeps the markup around the
 probe's name, arguments and id as a `ToolFormat` -- literal segments, no knowledge of model
-names. A template that renders no calls gets `GENERIC` (Hermes-style `<tool_call>` JSON,
-described to the model in a system message, `generic_messages`).
+names. A template that renders no calls gets `GENERIC` (calls as one JSON envelope,
+`{"tool_calls": [...]}`, described to the model in a system message: `generic_messages`).
 
 `tools_grammar` turns a format, the tools and the tool choice into one llguidance grammar
 for the whole answer: with "auto", free text (or the `response_format` answer) that never
@@ -127,19 +127,17 @@ class ToolFormat:
         return x.first + x.next.join(parts) + x.last
 
 
-GENERIC_OPEN = '<tool_call>\n{"name": "'
 GENERIC = ToolFormat(
-    source="generic", text_open="", first=GENERIC_OPEN, after_text="\n" + GENERIC_OPEN,
-    name_end='", "arguments": ', between="}\n</tool_call>\n" + GENERIC_OPEN,
-    close="}\n</tool_call>", marker="<tool_call>")
+    source="generic", text_open="", first='{"tool_calls": [{"name": "', after_text=None,
+    name_end='", "arguments": ', between='}, {"name": "', close="}]}",
+    marker='{"tool_calls": [')
 
 GENERIC_SYSTEM = (
-    "You may call one or more functions to assist with the user query. The functions are "
-    "described in JSON Schema inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo "
-    "call a function, write a JSON object with its name and arguments inside <tool_call>"
-    "</tool_call> tags, one per call:\n<tool_call>\n{{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}}\n</tool_call>\nResults come back inside "
-    "<tool_response></tool_response> tags.")
+    "You can call functions. They are described in JSON Schema inside <tools></tools>:\n"
+    "<tools>\n{tools}\n</tools>\n\nTo call functions, answer with only a JSON object:\n"
+    '{{"tool_calls": [{{"name": <function-name>, "arguments": <args-json-object>}}]}}\n'
+    "Their results come back inside <tool_response></tool_response> tags. Otherwise answer "
+    "in text.")
 
 
 def generic_messages(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]
@@ -277,8 +275,8 @@ def _detect_args(render: Render, as_string: bool, text_open: str, turn_end: str,
     if between is not None and any(t and t in between for t in end_texts):
         between = None  # each call its own turn (Harmony): the model ends with the first
     close = after[0]
-    end = _common_suffix(close, turn_end)
-    close = close[:len(close) - len(end)]
+    if turn_end and close.endswith(turn_end):  # what ends every assistant turn
+        close = close[:-len(turn_end)]
     while True:  # the model ends with its end-of-turn token
         t = next((t for t in end_texts if t and close.endswith(t)), None)
         if t is None:
@@ -434,6 +432,11 @@ def tools_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], *, text: bool,
             alts.append(f"{lk.expr(fmt.text_open)} @answer")
         else:
             alts.append(f"{lk.expr(fmt.text_open)} FREE")
+            # Calls only open a turn, with text markup (Llama 3.1's JSON, the generic
+            # envelope): a turn that starts like that markup is a call.
+            lead = lk.pieces(fmt.first)[0] if fmt.first else ""
+            if fmt.after_text is None and not fmt.text_open and isinstance(lead, str):
+                no_marker += f" & ~/{_rx(lead[0])}(?s:.*)/"
             rules.append(f"FREE: /(?s:.*)/{no_marker}")
             if fmt.after_text is not None:
                 alts.append(f"{lk.expr(fmt.text_open)} {_text_then(lk, fmt, rules)} "
@@ -505,7 +508,10 @@ def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str]) -> str:
     n = len(keys)
     for j, k in enumerate(keys):
         sub = props[k] if isinstance(props[k], Mapping) else {}
-        value = (f"VALUE_{i}" if sub.get("type") == "string" else _schema(t, sub))
+        if sub.get("type") == "string" and isinstance(sub.get("enum"), list):
+            value = "(" + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + ")"
+        else:
+            value = f"VALUE_{i}" if sub.get("type") == "string" else _schema(t, sub)
         rules.append(f"p_{i}_{j}: {json.dumps(k)} {lk.expr(x.mid)} {value} {lk.expr(end)}")
     for j in range(n, -1, -1):
         for started in (0, 1):
