@@ -26,15 +26,19 @@ from specdec.reasoning import Thinking
 from specdec.request import GenerateRequest, Message
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecStats
-from specdec.tools import GENERIC, CallParser
+from specdec.tools import GENERIC, CallParser, ToolFormat
 
 VOCAB = {1: "ab", 2: "cd", 3: "ef", 4: "<think>", 5: "</think>", 6: "\n\n",
-         7: "<tool_call>\n{\"name\": \"", 8: "f\", \"arguments\": ", 9: "{}}\n</tool_call>",
-         10: "gh"}
+         7: "{\"tool_calls\": [{\"name\": \"", 8: "f\", \"arguments\": ", 9: "{}}]}",
+         10: "gh", 11: "<tool_call>\n{\"name\": \"", 12: "{}}\n</tool_call>"}
+# Calls that may follow text (Hermes' markup): tokens 11, 8, 12.
+HERMES = ToolFormat("template", "", '<tool_call>\n{"name": "', '\n<tool_call>\n{"name": "',
+                    '", "arguments": ', '}\n</tool_call>\n<tool_call>\n{"name": "',
+                    '}\n</tool_call>', "<tool_call>")
 
 
-def parser():
-    return CallParser(GENERIC)
+def parser(fmt=GENERIC):
+    return CallParser(fmt)
 
 
 def decode(ids):
@@ -98,7 +102,7 @@ def test_a_tool_call_streams_its_name_then_its_arguments_and_a_cut_one_is_never_
 
 
 def test_text_then_a_call_streams_the_text_then_the_call_and_holds_markup_back():
-    events = run_output([1, 2, 6, 7, 8, 9], calls=parser(), stop=("tool",))
+    events = run_output([1, 2, 6, 11, 8, 12], calls=parser(HERMES), stop=("tool",))
     done = events[-1]
     assert done.text == "abcd\n" and done.finish_reason == "length"
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "abcd\n"
@@ -232,7 +236,7 @@ def test_each_api_names_the_engines_fields_its_own_way():
     ([4, 1, 2, 5, 6, 7, 8, 9], {"thinking": Thinking("</think>", "<think>"),
                                "calls": parser()}),
     ([7, 8, 9], {"calls": parser()}),
-    ([1, 6, 7, 8, 9], {"calls": parser()}),
+    ([1, 6, 11, 8, 12], {"calls": parser(HERMES)}),
 ], ids=["plain", "stop", "thinking", "thinking-then-call", "call", "text-then-call"])
 def test_every_kept_token_and_logprob_is_carried_by_exactly_one_event_in_order(tokens, kw):
     events = Output(decode, (got := []).append, reasoning_tokens=lambda t, th: 0, **kw)
