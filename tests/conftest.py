@@ -41,6 +41,15 @@ def engines(embedded, distilled):
 
 
 @pytest.fixture(scope="session")
+def served_models(embedded, distilled):
+    """The session's loaded models by the names `specdec serve` loads them under, for
+    `tests.serverproc.serve_app` (an app built from serve flags, in process)."""
+    from specdec.models import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    return {DEFAULT_MODEL: embedded, DEFAULT_DRAFT: distilled}
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(embedded):
     return embedded.tokenizer
 

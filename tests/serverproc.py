@@ -1,12 +1,15 @@
-"""A real `specdec serve` process on a free loopback port (tests and benchmarks)."""
+"""A real `specdec serve` process on a free loopback port (tests and benchmarks), and the
+same app served in the test's own process for tests that need no real one."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -73,3 +76,78 @@ class Server:
         if not self._log.closed:
             self._final = self.log()
             self._log.close()
+
+
+class InProcess:
+    """An app (`server.app.create_app`) served in this process, for the tests that need no
+    real one: requests go through httpx's ASGI transport on one event loop of its own (as
+    uvicorn runs the app on one loop), so sync clients and threads can call it like `Server`.
+    The transport hands a response over whole: a client leaving mid-stream needs `Server`.
+
+    Args:
+        app: the ASGI app. engine: closed by `stop()` (its scheduler thread stops).
+    """
+
+    url = "http://test"
+
+    def __init__(self, app: object, engine: object = None) -> None:
+        self.engine = engine
+        self._asgi = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="asgi-loop",
+                                        daemon=True)
+        self._thread.start()
+        self.http = httpx.Client(base_url=self.url, transport=_LoopTransport(self), timeout=300)
+
+    def _send(self, request: httpx.Request) -> httpx.Response:
+        async def go() -> httpx.Response:
+            r = await self._asgi.handle_async_request(request)
+            return httpx.Response(r.status_code, headers=r.headers, content=await r.aread())
+
+        request.read()
+        return asyncio.run_coroutine_threadsafe(go(), self._loop).result()
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
+                             http_client=httpx.Client(transport=_LoopTransport(self),
+                                                      timeout=300))
+
+    def stop(self) -> None:
+        self.http.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+        if self.engine is not None:
+            self.engine.close()  # type: ignore[attr-defined]
+
+
+class _LoopTransport(httpx.BaseTransport):
+    def __init__(self, target: InProcess) -> None:
+        self.target = target
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.target._send(request)
+
+
+def serve_app(*args: str, models: dict[str, object] | None = None) -> InProcess:
+    """What `specdec serve ARGS...` serves, in this process: the same flags through the same
+    `build_engine` and `ServeConfig`, with `models` (name -> loaded model, e.g. the session's
+    embedded target and draft) standing in for loading those names again."""
+    from unittest import mock
+
+    import specdec
+    from server.app import create_app
+    from server.door import ServeConfig
+    from specdec import cli
+
+    ns = cli.build_parser().parse_args(["serve", *args])
+    loaded, load = models or {}, specdec.load
+
+    def reuse(name: str, **kw: object) -> object:
+        return loaded[name] if name in loaded else load(name, **kw)  # type: ignore[arg-type]
+
+    with mock.patch.object(specdec, "load", reuse):
+        engine = cli.build_engine(ns.model, ns)
+    config = ServeConfig(api_key=ns.api_key, max_batch=ns.max_batch, max_queue=ns.max_queue,
+                         request_timeout_s=ns.request_timeout or None)
+    return InProcess(create_app(engine, config), engine)

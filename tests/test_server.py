@@ -1,5 +1,10 @@
 """The real server (uvicorn on loopback, started as `specdec serve`) driven by the official
-`openai` client: structured outputs, streaming, completions, errors, reasoning templates."""
+`openai` client: structured outputs, streaming, completions, errors, reasoning templates.
+
+Servers whose tests decode a handful of tokens are the same app in process
+(`tests.serverproc.serve_app`, the same flags): no process to start. Those that decode many
+tokens stay real, where the server's fast BLAS decodes them several times faster than this
+process's reference BLAS."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import pytest
 from annotated_types import Ge, Le, MaxLen, MinLen
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.serverproc import Server
+from tests.serverproc import Server, serve_app
 
 TEMPLATES = Path(__file__).parent / "templates"
 KEY = "test-key"
@@ -271,16 +276,17 @@ def test_disconnect_mid_stream_then_next_request_is_served_promptly(server, clie
 
 
 @pytest.fixture(scope="module")
-def reasoning_servers(server):
-    a = Server("--chat-template", str(TEMPLATES / "qwen3_style.jinja"))
-    b = Server("--chat-template", str(TEMPLATES / "r1_style.jinja"))
-    yield a, b
-    a.stop()
-    b.stop()
+def qwen_server_without_draft(embedded):
+    # One real server for two tests that decode: a reasoning template with a switch, and no
+    # draft model (drafting never changes the text; the template never stops jump-forward).
+    s = Server("--chat-template", str(TEMPLATES / "qwen3_style.jinja"), "--draft-model", "none")
+    yield s
+    s.stop()
 
 
-def test_reasoning_template_with_switch_gives_json_without_think_block(reasoning_servers):
-    qwen, _ = reasoning_servers
+def test_reasoning_template_with_switch_gives_json_without_think_block(
+        qwen_server_without_draft):
+    qwen = qwen_server_without_draft
     r = qwen.client().chat.completions.create(
         model="default", messages=[{"role": "user", "content": "A color as JSON."}],
         temperature=0, max_tokens=40, response_format={"type": "json_object"})
@@ -302,30 +308,21 @@ def test_reasoning_template_with_switch_gives_json_without_think_block(reasoning
         assert isinstance(json.loads(msg.content), dict)
 
 
-def test_reasoning_template_without_switch_is_a_400(reasoning_servers):
-    _, r1 = reasoning_servers
-    with pytest.raises(openai.BadRequestError, match="no switch"):
-        r1.client().chat.completions.create(model="default", messages=MSG,
-                                            response_format={"type": "json_object"})
-    r = r1.client().chat.completions.create(model="default", messages=MSG, max_tokens=3,
-                                            temperature=0)  # unconstrained is fine
-    assert r.choices[0].finish_reason == "length"
+def test_reasoning_template_without_switch_is_a_400(served_models):
+    r1 = serve_app("--chat-template", str(TEMPLATES / "r1_style.jinja"), models=served_models)
+    try:
+        with pytest.raises(openai.BadRequestError, match="no switch"):
+            r1.client().chat.completions.create(model="default", messages=MSG,
+                                                response_format={"type": "json_object"})
+        r = r1.client().chat.completions.create(model="default", messages=MSG, max_tokens=3,
+                                                temperature=0)  # unconstrained is fine
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        r1.stop()
 
 
-def test_concurrent_requests_do_not_interfere(server):
-    import concurrent.futures
-
-    def one(seed: int) -> str:
-        return chat_text(server.client(KEY), False, seed=seed)[0]
-
-    sequential = [one(s) for s in (1, 2, 3)]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        concurrent_ = list(pool.map(one, (1, 2, 3)))
-    assert concurrent_ == sequential
-
-
-def test_schema_over_the_compile_limit_is_a_400_and_others_keep_being_served(embedded):
-    s = Server("--compile-timeout", "0.002")
+def test_schema_over_the_compile_limit_is_a_400_and_others_keep_being_served(served_models):
+    s = serve_app("--compile-timeout", "0.002", models=served_models)
     try:
         props = {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+$"}
                  for i in range(300)}
@@ -342,19 +339,19 @@ def test_schema_over_the_compile_limit_is_a_400_and_others_keep_being_served(emb
         s.stop()
 
 
-def test_server_without_a_draft_jump_forwards_constrained_requests(embedded):
+def test_server_without_a_draft_jump_forwards_constrained_requests(
+        qwen_server_without_draft):
     # The engine resolves a request's speculation with its constraint known: with no draft
     # model, constrained requests propose grammar-forced tokens (jump-forward).
-    s = Server("--draft-model", "none")
-    try:
-        body = {"model": "default", "messages": MSG, "max_tokens": 30, "temperature": 0,
-                "response_format": {"type": "json_schema", "json_schema": {
-                    "name": "c", "schema": {"type": "object", "required": ["city"],
-                                            "properties": {"city": {"type": "string"}}}}}}
-        ext = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()["specdec"]
-        assert ext["k"] > 0 and ext["forced"] > 0 and ext["drafted"] == 0, ext
-        free = httpx.post(s.url + "/v1/chat/completions", timeout=300,
-                          json={**body, "response_format": {"type": "text"}}).json()["specdec"]
-        assert free["k"] == 0, free  # unconstrained requests decode plainly
-    finally:
-        s.stop()
+    # The forced run opens the object (`{"city": "`): a few tokens show it.
+    s = qwen_server_without_draft
+    body = {"model": "default", "messages": MSG, "max_tokens": 12, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "c", "schema": {"type": "object", "required": ["city"],
+                                        "properties": {"city": {"type": "string"}}}}}}
+    ext = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()["specdec"]
+    assert ext["k"] > 0 and ext["forced"] > 0 and ext["drafted"] == 0, ext
+    free = httpx.post(s.url + "/v1/chat/completions", timeout=300,
+                      json={**body, "max_tokens": 2,
+                            "response_format": {"type": "text"}}).json()["specdec"]
+    assert free["k"] == 0, free  # unconstrained requests decode plainly
