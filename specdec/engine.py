@@ -36,7 +36,7 @@ from .sampling import SamplingParams
 from .scheduler import Decisions, Scheduler, Ticket
 from .speculative import DraftConfigError, SpecConfig
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
-                    tools_grammar)
+                    json_calls_schema, tools_grammar)
 
 __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
            "GenerationStats", "Request", "RequestError"]
@@ -473,15 +473,31 @@ class Engine:
         if not text and r.constraint is not None:
             raise RequestError("a forced tool call and an output format cannot both "
                                "constrain the output", param="tool_choice")
-        answer = to_grammar(r.constraint) if r.constraint is not None else None
         specs = [ToolSpec(t.name, dict(t.parameters), t.strict) for t in tools]
         parallel = r.parallel_tool_calls and not isinstance(choice, NamedTool)
-        grammar = tools_grammar(fmt, specs, text=text, answer=answer, parallel=parallel,
-                                specials=self.special_tokens)
         strings = {t.name: frozenset(k for k, v in (t.parameters.get("properties") or {}).items()
                                      if isinstance(v, Mapping) and v.get("type") == "string")
                    for t in tools if t.parameters.get("properties")}
-        return Constraint.tools(grammar), CallParser(fmt, strings)
+        parser = CallParser(fmt, strings)
+        c = r.constraint
+        if c is not None and c.kind in ("json_schema", "json_object"):
+            calls = json_calls_schema(fmt, specs, parallel)
+            if calls is not None:  # a JSON answer or JSON calls: one schema holds both
+                answer = {"type": "object"} if c.kind == "json_object" else c.value
+                if isinstance(answer, str):
+                    answer = json.loads(answer)
+                lenient = c.lenient or not all(t.strict for t in tools)
+                answer = dict(answer) if isinstance(answer, Mapping) else answer
+                both: dict[str, Any] = {"anyOf": [answer, calls]}
+                for key in ("$defs", "definitions"):  # refs point from the root
+                    if isinstance(answer, dict) and key in answer:
+                        both[key] = answer.pop(key)
+                return dataclasses.replace(c, kind="json_schema", lenient=lenient,
+                                           value=both), parser
+        answer = to_grammar(c) if c is not None else None
+        grammar = tools_grammar(fmt, specs, text=text, answer=answer, parallel=parallel,
+                                specials=self.special_tokens)
+        return Constraint.tools(grammar), parser
 
     def tool_format(self, template: str | None = None) -> ToolFormat:
         """The tool-call format of the chat template (`tools.detect`; cached)."""

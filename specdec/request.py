@@ -79,10 +79,10 @@ class GenerateRequest:
         messages: the conversation, rendered with the chat template; or
         prompt: text used as is (no template) or token ids (exactly one of the two).
         constraint: what the answer must match (None: free text).
-        tools, tool_choice: functions the model may call; "required" or a `NamedTool` makes
-            the output one call (a grammar over the tools' names and parameters); "none"
-            ignores the tools. "auto" with tools is not implemented yet (a 400).
-        parallel_tool_calls: whether more than one call may be made (one call is made).
+        tools, tool_choice: functions the model may call, in its chat template's own
+            format (`tools`): "auto" text or calls, "required" calls, a `NamedTool` one call
+            of it, "none" ignores the tools.
+        parallel_tool_calls: whether more than one call may be made in the turn.
         sampling: temperature, top_p, top_k, seed, logit_bias.
         max_tokens: most output tokens (None: the engine's default, within the context).
         stop: strings that end the answer (not included in it).

@@ -459,6 +459,81 @@ def tools_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], *, text: bool,
     return json.dumps({"grammars": grammars})
 
 
+def json_calls_schema(fmt: ToolFormat, tools: Sequence[ToolSpec], parallel: bool
+                      ) -> dict[str, Any] | None:
+    """The calls as one JSON schema, for a format whose calls are one JSON value written with
+    the grammar's separators (the generic envelope, Llama 3.1's object); else None.
+
+    A text answer under a JSON response format and such calls both start with `{`: one JSON
+    schema (`anyOf` of the two) holds both, where two grammars side by side could not.
+    """
+    if fmt.text_open or fmt.id_len or fmt.xml is not None or any(
+            "$ref" in json.dumps(t.parameters) for t in tools):  # refs are root-relative
+        return None
+    name, args = "__specdec_name__", '{"__specdec_args__": 0}'
+    one = fmt.write([("", name, args)])
+    two = fmt.write([("", name, args), ("", name, args)]) if fmt.between else None
+    try:
+        shape = json.loads(one)
+        shape2 = json.loads(two) if two is not None else None
+    except ValueError:
+        return None
+    if json.dumps(shape, ensure_ascii=False) != one:
+        return None
+    calls = [{"type": "object", "additionalProperties": False, "required": None,
+              "properties": None, "_tool": t} for t in tools]
+
+    def walk(v: Any, v2: Any) -> dict[str, Any] | None:
+        if v == name:
+            return {"_name": True}
+        if v == {"__specdec_args__": 0}:
+            return {"_args": True}
+        if isinstance(v, dict):
+            props = {}
+            for k, x in v.items():
+                sub = walk(x, v2.get(k) if isinstance(v2, dict) else None)
+                if sub is None:
+                    return None
+                props[k] = sub
+            if any("_name" in p for p in props.values()):  # the call object
+                return {"_call": props}
+            return {"type": "object", "properties": props, "required": list(props),
+                    "additionalProperties": False}
+        if isinstance(v, list) and len(v) == 1:
+            item = walk(v[0], v2[0] if isinstance(v2, list) and v2 else None)
+            if item is None:
+                return None
+            many = parallel and isinstance(v2, list) and len(v2) == 2
+            return {"type": "array", "items": item, "minItems": 1,
+                    **({} if many else {"maxItems": 1})}
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            return {"const": v}
+        return None
+
+    tree = walk(shape, shape2)
+    if tree is None:
+        return None
+
+    def fill(node: Any) -> Any:
+        if isinstance(node, dict) and "_call" in node:
+            props = node["_call"]
+            alts = []
+            for c in calls:
+                t = c["_tool"]
+                p = {k: ({"const": t.name} if "_name" in v else dict(t.parameters)
+                         if "_args" in v else v) for k, v in props.items()}
+                alts.append({"type": "object", "properties": p, "required": list(p),
+                             "additionalProperties": False})
+            return alts[0] if len(alts) == 1 else {"anyOf": alts}
+        if isinstance(node, dict):
+            return {k: fill(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v) for v in node]
+        return node
+
+    return fill(tree)
+
+
 def _text_then(lk: Lark, fmt: ToolFormat, rules: list[str]) -> str:
     """The rule for text followed by the markup that opens the first call after text: the
     text up to that markup's first special token (or its end) is one lexeme that ends at the
