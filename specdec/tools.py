@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .errors import RequestError
 
 ID = "\x00"  # where a call's id sits in a segment
 ID_CHARS = "[A-Za-z0-9]"
@@ -249,13 +248,11 @@ def _detect_args(render: Render, as_string: bool, text_open: str, turn_end: str,
     xml: XmlParams | None = None
     if args in rest:
         name_end, _, tail = rest.partition(args)
-        after = [tail]
     else:  # parameters as elements? (the JSON object is not written)
         xml_found = None if as_string else _detect_xml(calls, first, rest)
         if xml_found is None:
             return None
         xml, name_end, tail = xml_found
-        after = [tail]
     two = calls((0, PROBE_ARGS[0]), (1, PROBE_ARGS[0]))
     between = None
     if two is not None and two.startswith(first + PROBE_NAMES[0]) and PROBE_NAMES[1] in two:
@@ -274,7 +271,7 @@ def _detect_args(render: Render, as_string: bool, text_open: str, turn_end: str,
             after_text = a
     if between is not None and any(t and t in between for t in end_texts):
         between = None  # each call its own turn (Harmony): the model ends with the first
-    close = after[0]
+    close = tail
     if turn_end and close.endswith(turn_end):  # what ends every assistant turn
         close = close[:-len(turn_end)]
     while True:  # the model ends with its end-of-turn token
@@ -288,8 +285,9 @@ def _detect_args(render: Render, as_string: bool, text_open: str, turn_end: str,
         id_len = len(PROBE_IDS[0])
     if between is not None and PROBE_IDS[1] in between:
         return None  # a format that writes a call's id before the call: not supported
-    fix: Callable[[str | None], Any] = lambda s: None if s is None else s.replace(
-        PROBE_IDS[0], ID)
+    def fix(s: str | None) -> Any:
+        return None if s is None else s.replace(PROBE_IDS[0], ID)
+
     marker = _marker(first)
     return ToolFormat("template", text_open, first, fix(after_text), fix(name_end),
                       fix(between), fix(close), marker, "string" if as_string else "object",
@@ -480,9 +478,6 @@ def json_calls_schema(fmt: ToolFormat, tools: Sequence[ToolSpec], parallel: bool
         return None
     if json.dumps(shape, ensure_ascii=False) != one:
         return None
-    calls = [{"type": "object", "additionalProperties": False, "required": None,
-              "properties": None, "_tool": t} for t in tools]
-
     def walk(v: Any, v2: Any) -> dict[str, Any] | None:
         if v == name:
             return {"_name": True}
@@ -518,8 +513,7 @@ def json_calls_schema(fmt: ToolFormat, tools: Sequence[ToolSpec], parallel: bool
         if isinstance(node, dict) and "_call" in node:
             props = node["_call"]
             alts = []
-            for c in calls:
-                t = c["_tool"]
+            for t in tools:
                 p = {k: ({"const": t.name} if "_name" in v else dict(t.parameters)
                          if "_args" in v else v) for k, v in props.items()}
                 alts.append({"type": "object", "properties": p, "required": list(p),
@@ -738,11 +732,3 @@ def _held(text: str, markers: Sequence[str]) -> int:
                 hold = max(hold, k)
                 break
     return hold
-
-
-def check_tool_choice(names: Sequence[str], choice: Any) -> None:
-    """Raises RequestError for a named choice that is not among the tools."""
-    name = getattr(choice, "name", None)
-    if name is not None and name not in names:
-        raise RequestError(f"tool_choice names {name!r}, which is not in tools",
-                           param="tool_choice")

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
 from llguidance import LLMatcher
 
 from specdec import blas
-from specdec.engine import Engine
+from specdec.engine import Engine, RequestError
 from specdec.models import load
 from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall
 from specdec.sampling import SamplingParams
+from specdec.speculative import SpecConfig
 from specdec.tools import GENERIC, PROBE_USER, ToolFormat
+from tests import tally
+from tests.exactness import Cell
 from tests.families import CHATML, TOOL_FORMATS, make_family, make_tool_family
 
 FORMATS = sorted(TOOL_FORMATS) + ["generic"]
@@ -171,3 +173,209 @@ def _shared(a: str, b: str) -> str:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+# -- exactness: every proposer and batching give plain decoding's tokens, plain the oracle's --
+
+CELLS = [Cell("self", SpecConfig(4, lookup=True)),
+         Cell("self", SpecConfig(2, draft_masking=False)),
+         Cell("self", SpecConfig(8, forced_drafting=False)),
+         Cell("none", SpecConfig(8, lookup=True))]
+EXACT_FORMATS = ["hermes", "mistral", "qwen3_coder", "harmony", "generic"]
+
+
+def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
+    from oracle import ThinkingRule, reference_decode
+    from specdec.reasoning import marker_ids
+
+    t, s = engine.target, req.sampling
+    rule = None
+    if req.thinking is not None:
+        close, opener = req.thinking.close, req.thinking.open
+        text = engine.decode_text
+        rule = ThinkingRule(req.thinking.budget, marker_ids(engine.compiler.tokenizer, close)[0],
+                            lambda toks: close in text(toks),
+                            (lambda toks: 0) if opener is None else (lambda toks: next(
+                                (i + 1 for i in range(len(toks)) if opener in text(
+                                    toks[:i + 1])), None)))
+    ref = reference_decode(t.model, req.prompt_ids, vocab_size=t.vocab_size,
+                           eos_token_ids=t.eos_token_ids, max_tokens=req.max_tokens,
+                           matcher=LLMatcher(engine.compiler.tokenizer, req.grammar.text,
+                                             log_level=0),
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                           seed=s.seed or 0, logit_bias=s.logit_bias, thinking=rule)
+    return ref.tokens
+
+
+def check_cells(engines: dict[str, Engine], greq: GenerateRequest, label: str,
+                neighbours: list[GenerateRequest]) -> list[str]:
+    """`greq` decoded plainly against the oracle, then by each proposer cell and inside a
+    batch of `neighbours` (on the self-drafting engine) against plain; what differs."""
+    base = engines["none"]
+    req = base.prepare(dataclasses.replace(greq, spec=None))
+    want = base.generate(req)
+    bad = []
+    oracle = tuple(oracle_tokens(base, req))
+    tally.record(f"{label}: plain vs oracle", oracle == want.tokens)
+    if oracle != want.tokens:
+        bad.append(f"plain {want.tokens} != oracle {oracle}")
+    for cell in CELLS:
+        e = engines[cell.draft]
+        got = e.generate(e.prepare(dataclasses.replace(
+            greq, spec=dataclasses.asdict(cell.spec))))
+        same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        tally.record(label, same)
+        tally.record_cuts(cell.spec.draft_masking, got.stats.grammar_cuts)
+        if not same:
+            bad.append(f"{cell.name}: {got.text!r} != plain {want.text!r}")
+    e = engines["self"]  # the needle in the middle of a batch
+    reqs = neighbours[:2] + [greq] + neighbours[2:]
+    streams = [e.submit(e.prepare(r)) for r in reqs]
+    got = [list(st)[-1] for st in streams][2]
+    same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+    tally.record(f"{label}: needle in a batch", same)
+    if not same:
+        bad.append(f"in a batch: {got.text!r} != plain {want.text!r}")
+    return bad
+
+
+def marker_bias(e: Engine, value: float) -> tuple[tuple[int, float], ...]:
+    """A logit bias on the first token of the markup that opens a call."""
+    fmt = e.tool_format()
+    opener = fmt.first[len(_shared(fmt.first, fmt.text_open)):]
+    return ((e.encode(opener)[0], value),)
+
+
+@pytest.fixture(scope="module")
+def cell_engines(tool_engine):
+    def get(key: str) -> dict[str, Engine]:
+        base = tool_engine(key)
+        spec = Engine(base.target, base.target)
+        spec.compiler, spec.kv_store = base.compiler, base.kv_store
+        return {"none": base, "self": spec}
+    return get
+
+
+@pytest.mark.parametrize("key", EXACT_FORMATS)
+def test_auto_text_calls_and_parallel_calls_are_exact_in_every_format(cell_engines, key):
+    # "auto" without a push (text or a call, as the model likes), with the marker pushed (a
+    # call), and with calls allowed to repeat (a bias that gives two calls in a turn, where
+    # the format has them): each decoded plainly = the oracle, each proposer and a batch =
+    # plain, greedy and seeded.
+    assert blas.active() == "reference"
+    engines = cell_engines(key)
+    e = engines["none"]
+    tools = (WEATHER, CLOCK)
+    base = GenerateRequest(messages=ASK, tools=tools, max_tokens=60)
+    cases = {"auto": base,
+             "call": dataclasses.replace(base, parallel_tool_calls=False,
+                                         sampling=SamplingParams(logit_bias=marker_bias(e, 100)))}
+    fmt = e.tool_format()
+    if fmt.parallel:  # the first push on the markup between two calls that gives two
+        more = fmt.between[len(_shared(fmt.between, fmt.close)):]
+        for v in (2.0, 4.0, 8.0, 16.0, 30.0, 60.0):
+            r = dataclasses.replace(base, max_tokens=120, sampling=SamplingParams(
+                logit_bias=marker_bias(e, 100) + ((e.encode(more)[0], v),)))
+            if len(e.generate(e.prepare(dataclasses.replace(r, spec=None))).tool_calls) >= 2:
+                cases["parallel"] = r
+                break
+        assert "parallel" in cases, f"{key}: no push gave two calls"
+    neighbours = [GenerateRequest(messages=ASK, max_tokens=10),
+                  GenerateRequest(messages=ASK, tools=tools, tool_choice="required",
+                                  max_tokens=40),
+                  dataclasses.replace(base, max_tokens=20)]
+    bad = []
+    for name, greq in cases.items():
+        for mode, sampling in (("greedy", greq.sampling), ("seeded", dataclasses.replace(
+                greq.sampling, temperature=0.8, top_k=40, seed=11))):
+            r = dataclasses.replace(greq, sampling=sampling)
+            bad += [f"{name} {mode}: {x}" for x in check_cells(
+                engines, r, "tools: cells vs plain", neighbours)]
+        if name != "auto":  # the case is what it says (repeated calls may run to the end)
+            got = e.generate(e.prepare(dataclasses.replace(greq, spec=None)))
+            assert len(got.tool_calls) >= (2 if name == "parallel" else 1), (name, got)
+            assert got.finish_reason == "tool_calls" or name == "parallel", (name, got)
+            for c in got.tool_calls:
+                tool = {"get_weather": WEATHER, "get_time": CLOCK}[c.name]
+                jsonschema.validate(json.loads(c.arguments), dict(tool.parameters))
+    assert not bad, "\n".join(bad)
+
+
+def test_a_call_after_thinking_is_exact(cell_engines):
+    assert blas.active() == "reference"
+    engines = cell_engines("qwen3")
+    e = engines["none"]
+    greq = GenerateRequest(messages=ASK, tools=(WEATHER, CLOCK), thinking=True,
+                           thinking_budget=6, max_tokens=80, parallel_tool_calls=False,
+                           sampling=SamplingParams(logit_bias=marker_bias(e, 100)))
+    bad = check_cells(engines, greq, "tools: cells vs plain (thinking)", [
+        dataclasses.replace(greq, thinking=False), GenerateRequest(messages=ASK, max_tokens=10)])
+    assert not bad, "\n".join(bad)
+    want = e.generate(e.prepare(dataclasses.replace(greq, spec=None)))
+    assert want.reasoning is not None and want.finish_reason == "tool_calls", want
+
+
+def accepts(engine: Engine, grammar: str, text: str) -> bool:
+    m = LLMatcher(engine.compiler.tokenizer, grammar, log_level=0)
+    return all(m.consume_token(t) for t in engine.encode(text)) and m.is_accepting()
+
+
+@pytest.mark.parametrize("key", ["hermes", "generic"])
+def test_with_a_response_format_the_text_follows_it_and_calls_follow_the_tools(tool_engine,
+                                                                              key):
+    from specdec.grammar import Constraint
+
+    e = tool_engine(key)
+    fmt = e.tool_format()
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}},
+              "required": ["answer"], "additionalProperties": False}
+    req = e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER,), max_tokens=8,
+                                    constraint=Constraint.json_schema(schema)))
+    call = fmt.write([(IDS[0], "get_weather", '{"city": "Oslo", "days": 1}')])
+    assert accepts(e, req.grammar.text, '{"answer": "sunny"}')
+    assert accepts(e, req.grammar.text, call)
+    assert not accepts(e, req.grammar.text, "It is sunny.")
+    assert not accepts(e, req.grammar.text, '{"answer": 3}')
+    # forced calls and an output format cannot both hold
+    with pytest.raises(RequestError) as err:
+        e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER,), tool_choice="required",
+                                  constraint=Constraint.json_schema(schema)))
+    assert err.value.param == "tool_choice"
+
+
+def test_strict_tools_enforce_every_keyword_or_are_a_400_and_others_warn(tool_engine):
+    e = tool_engine("hermes")
+    odd = {"type": "object", "properties": {"when": {"type": "string", "format": "no-such"}}}
+    with pytest.raises(RequestError) as err:
+        e.prepare(GenerateRequest(messages=ASK, tools=(Tool("f", None, odd, strict=True),)))
+    assert err.value.param == "tools" and "no-such" in str(err.value)
+    lenient = e.prepare(GenerateRequest(messages=ASK, tools=(Tool("f", None, odd),)))
+    assert any("no-such" in w for w in lenient.warnings)
+
+
+@pytest.mark.parametrize("greq, param", [
+    (GenerateRequest(messages=ASK, tools=(WEATHER,), tool_choice=NamedTool("nope")),
+     "tool_choice"),
+    (GenerateRequest(messages=ASK, tools=(WEATHER, WEATHER)), "tools"),
+    (GenerateRequest(messages=ASK + (Message("assistant", tool_calls=(
+        ToolCall("c", "get_weather", "[1, 2]"),)),), tools=(WEATHER,)), "messages[2]"),
+    (GenerateRequest(messages=ASK, tool_choice="required"), "tools"),
+], ids=["unknown-named-tool", "duplicate-names", "arguments-not-an-object", "no-tools"])
+def test_bad_tool_requests_are_a_400_naming_the_field(tool_engine, greq, param):
+    with pytest.raises(RequestError) as err:
+        tool_engine("generic").prepare(greq)
+    assert err.value.param == param
+
+
+def test_a_response_format_with_refs_and_json_calls_compile_together(tool_engine):
+    from specdec.grammar import Constraint
+
+    e = tool_engine("generic")
+    schema = {"$defs": {"City": {"type": "string", "enum": ["Oslo"]}}, "type": "object",
+              "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+              "additionalProperties": False}
+    req = e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER,), max_tokens=8,
+                                    constraint=Constraint.json_schema(schema)))
+    assert accepts(e, req.grammar.text, '{"city": "Oslo"}')
+    assert accepts(e, req.grammar.text, GENERIC.write(
+        [(IDS[0], "get_weather", '{"city": "Oslo", "days": 1}')]))
