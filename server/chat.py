@@ -81,7 +81,7 @@ async def _serve(door: Door, http: Request, body: Body, chat: bool) -> Any:
         choice["logprobs"] = logprobs_of(door, ev.logprobs, chat)
     if chat:
         msg: dict[str, Any] = {"role": "assistant",
-                               "content": None if ev.tool_calls else ev.text}
+                               "content": (ev.text or None) if ev.tool_calls else ev.text}
         if ev.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}}

@@ -77,11 +77,12 @@ def conversation(body: CountTokensBody) -> tuple[Message, ...]:
                 if texts:
                     out.append(Message("user", "".join(texts)))
                     texts = []
-                out.append(Message("tool", _text(b.content), tool_call_id=b.tool_use_id,
-                                   name=names.get(b.tool_use_id)))
+                out.append(Message("tool", _text(b.content), tool_call_id=call_id(
+                    b.tool_use_id), name=names.get(b.tool_use_id)))
             elif isinstance(b, ToolUseBlock):
                 names[b.id] = b.name
-                calls.append(ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False)))
+                calls.append(ToolCall(call_id(b.id), b.name,
+                                      json.dumps(b.input, ensure_ascii=False)))
             elif isinstance(b, ThinkingBlock):
                 reasoning.append(b.thinking)
             else:
@@ -199,16 +200,25 @@ class Blocks:
         block = self.content[-1]
         if block["type"] == "thinking":  # the SDK sets the block's signature from this
             out.append(self._delta({"type": "signature_delta", "signature": ""}))
-        elif block["type"] == "tool_use":
-            block["input"] = json.loads("".join(self.args) or "{}")
+        at = len(self.content) - 1
+        if block["type"] == "tool_use":
+            try:
+                block["input"] = json.loads("".join(self.args) or "{}")
+            except ValueError:  # cut by max_tokens: streamed as it came, never reported
+                self.content.pop()
         self.key = None
-        return out + [("content_block_stop", {"type": "content_block_stop",
-                                              "index": len(self.content) - 1})]
+        return out + [("content_block_stop", {"type": "content_block_stop", "index": at})]
 
 
-def tool_id(call_id: str) -> str:
+def tool_id(call: str) -> str:
     """Anthropic's spelling of a call id (`toolu_...`)."""
-    return "toolu_" + call_id.removeprefix("call_").removeprefix("toolu_")
+    return "toolu_" + call.removeprefix("call_").removeprefix("toolu_")
+
+
+def call_id(tool_use_id: str) -> str:
+    """A `tool_use` id as the engine wrote it (a template that renders ids, Mistral's, gets
+    back the id its model wrote)."""
+    return tool_use_id.removeprefix("toolu_")
 
 
 def stop_of(ev: Finished) -> tuple[str, str | None]:

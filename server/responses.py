@@ -245,6 +245,9 @@ class Writer:
         if ev.finish_reason == "stop" and not any(i["type"] == "message" for i in self.items):
             out += self._text("message", "") + self._close("completed")  # an empty answer
         u = ev.usage
+        made = {c.id for c in ev.tool_calls}  # a call cut by max_tokens is not reported
+        self.items[:] = [i for i in self.items
+                         if i["type"] != "function_call" or i["call_id"] in made]
         done = {"output": self.items, "specdec": extension(self.run, ev.stats, ev.warnings),
                 "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
                           "total_tokens": u.total_tokens,

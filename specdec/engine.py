@@ -27,7 +27,8 @@ from .core import DecodeState, Models, new_state
 from .decode import PromptKVCache, TokenId
 from .errors import RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
-from .grammar import CompiledGrammar, Constraint, GrammarCompiler, GrammarError, to_grammar
+from .grammar import (CompiledGrammar, Constraint, GrammarCompiler, GrammarError, _schema_dict,
+                      to_grammar)
 from .models import LoadedModel, gpu_backend
 from .output import Output
 from .reasoning import Thinking, marker_ids
@@ -457,6 +458,14 @@ class Engine:
         if bad is not None:
             raise RequestError(f"tool name {bad!r}: use letters, digits, '_', '-' and '.'",
                                param="tools")
+        for t in r.tools:
+            p = t.parameters
+            props, req = p.get("properties", {}), p.get("required", [])
+            if not isinstance(props, Mapping) or not isinstance(req, list) or \
+                    not all(isinstance(x, str) for x in req):
+                raise RequestError(f"tool {t.name!r}: parameters need 'properties' as an "
+                                   "object and 'required' as a list of names",
+                                   param="tools")
         if isinstance(choice, NamedTool) and choice.name not in names:
             raise RequestError(f"tool_choice names {choice.name!r}, which is not in tools",
                                param="tool_choice")
@@ -475,17 +484,17 @@ class Engine:
                                "constrain the output", param="tool_choice")
         specs = [ToolSpec(t.name, dict(t.parameters), t.strict) for t in tools]
         parallel = r.parallel_tool_calls and not isinstance(choice, NamedTool)
-        strings = {t.name: frozenset(k for k, v in (t.parameters.get("properties") or {}).items()
+        strings = {t.name: frozenset(k for k, v in props.items()
                                      if isinstance(v, Mapping) and v.get("type") == "string")
-                   for t in tools if t.parameters.get("properties")}
-        parser = CallParser(fmt, strings)
+                   for t in tools
+                   if isinstance(props := t.parameters.get("properties"), Mapping) and props}
+        parser = CallParser(fmt, strings, tuple(t.name for t in tools))
         c = r.constraint
         if c is not None and c.kind in ("json_schema", "json_object"):
             calls = json_calls_schema(fmt, specs, parallel)
             if calls is not None:  # a JSON answer or JSON calls: one schema holds both
-                answer = {"type": "object"} if c.kind == "json_object" else c.value
-                if isinstance(answer, str):
-                    answer = json.loads(answer)
+                answer = {"type": "object"} if c.kind == "json_object" else \
+                    _schema_dict(c.value)
                 lenient = c.lenient or not all(t.strict for t in tools)
                 answer = dict(answer) if isinstance(answer, Mapping) else answer
                 both: dict[str, Any] = {"anyOf": [answer, calls]}
@@ -661,7 +670,7 @@ def template_message(m: Message, i: int, fmt: ToolFormat | None = None) -> dict[
         for c in m.tool_calls:
             try:
                 args = json.loads(c.arguments) if c.arguments.strip() else {}
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise RequestError(f"the arguments of call {c.id!r} are not JSON: {e}",
                                    param=f"messages[{i}]", code="invalid_tool_call") from e
             if not isinstance(args, dict):

@@ -49,6 +49,7 @@ class TextStream:
         self._prefix = self._read = 0  # token offsets: window context start, stable end
         self.sent = 0  # characters of _text sent
         self._cut: str | None = None
+        self._recheck: int | None = None  # where to search again for a stop that waited
         self.stopped_by: str | None = None  # the stop string that cut, once one did
 
     def _advance(self, flush: bool = False) -> None:
@@ -58,10 +59,12 @@ class TextStream:
             self._text += window[len(context):]
             self._prefix, self._read = self._read, len(self.tokens)
 
-    def _find_stop(self, since: int) -> bool:
+    def _find_stop(self, since: int, final: bool = False) -> bool:
         if not self._stop:
             return False
         start = max(0, since - self._hold + 1)
+        if self._recheck is not None:  # a hit that waited for possible call markup
+            start, self._recheck = min(start, self._recheck), None
         answer = 0
         if self._after is not None:
             at = self._text.find(self._after)
@@ -71,6 +74,12 @@ class TextStream:
             start = max(start, answer)
         limit = min((at for at in (self._text.find(c, answer) for c in self._calls_from)
                      if at >= 0), default=None)
+        if not final:  # where a call's markup may be starting, stop strings wait for it
+            held = max((_suffix_prefix(self._text, c) for c in self._calls_from), default=0)
+            if held:
+                at = len(self._text) - held
+                limit = at if limit is None else min(limit, at)
+                self._recheck = at if self._recheck is None else min(self._recheck, at)
         hits = [(i, x) for i, x in ((self._text.find(x, start), x) for x in self._stop)
                 if i >= 0 and (limit is None or i < limit)]
         if hits:
@@ -96,7 +105,7 @@ class TextStream:
         if self._cut is None:
             before = len(self._text)
             self._advance(flush=True)
-            self._find_stop(before)
+            self._find_stop(before, final=True)
         if self._cut is not None:
             return "stop", self._cut
         return finish, self._text
@@ -131,9 +140,11 @@ class Output:
                  prompt_tokens: int = 0, seed: int | None = None, k: int = 0,
                  warnings: tuple[str, ...] = ()) -> None:
         fmt = calls.fmt if calls is not None else None
+        starts = ((fmt.marker, fmt.first) + ((fmt.text_open + fmt.after_text.split(ID)[0],)
+                                              if fmt.after_text is not None else ())
+                  if fmt else ())
         self.text = TextStream(decode, stop, thinking.close + SEPARATOR if thinking else None,
-                               calls_from=(fmt.marker, fmt.first, fmt.text_open + (
-                                   fmt.after_text or "").split(ID)[0]) if fmt else ())
+                               calls_from=starts)
         self.sink, self.thinking, self.calls = sink, thinking, calls
         self.split = ReasoningDeltas(thinking) if thinking is not None else None
         self._reasoning_tokens = reasoning_tokens
@@ -144,6 +155,8 @@ class Output:
         self._answer = ""  # the answer so far (read by `calls`)
         self._text_sent = 0  # characters of the calls' answer text sent
         self._args_sent: dict[int, int] = {}  # call index -> characters of arguments sent
+        self._parsed: dict[int, Any] = {}  # the calls read so far, by index
+        self._cut_short = False  # max_tokens ended the output
 
     def _emit(self, delta: str, upto: int, final: bool = False) -> None:
         """Send a text delta; the first event sent carries the tokens not yet carried that
@@ -163,6 +176,11 @@ class Output:
         else:
             self._answer += a
             events += self._call_events(final)
+            if final and not events and self._ready > self._attached and self._args_sent:
+                # the call's closing markup: carried by an empty delta of the last call
+                last = max(self._args_sent)
+                c = self._parsed[last]
+                events.append((ToolCallDelta, (c.index, c.id, c.name, "")))
         for i, (kind, fields) in enumerate(events):
             toks, lps = self._take() if i == 0 else ((), ())
             self.sink(kind(*fields, toks, lps))
@@ -170,7 +188,8 @@ class Output:
     def _call_events(self, final: bool) -> list[tuple[Any, tuple[Any, ...]]]:
         """What became certain of the answer's text and calls since the last time."""
         assert self.calls is not None
-        text, certain, calls = self.calls.parse(self._answer, final)
+        text, certain, calls = self.calls.parse(self._answer, final, cut=self._cut_short)
+        self._parsed = {c.index: c for c in calls}
         out: list[tuple[Any, tuple[Any, ...]]] = []
         if certain > self._text_sent:
             out.append((TextDelta, (text[self._text_sent:certain],)))
@@ -206,6 +225,7 @@ class Output:
     def finish(self, finish: FinishReason, counters: SpecStats, seconds: float) -> Finished:
         """Flush what was held back and send `Finished`; returns it."""
         finish, full = self.text.close(finish)
+        self._cut_short = finish == "length"
         kept = self.text.kept(full)
         sent = self.text.sent
         self.text.tokens, self.text.starts = self.text.tokens[:kept], self.text.starts[:kept]
@@ -222,7 +242,7 @@ class Output:
                 n_reasoning = self._reasoning_tokens(tokens, self.thinking)
         calls: tuple[ToolCall, ...] = ()
         if self.calls is not None:
-            answer, _, parsed = self.calls.parse(answer, final=True)
+            answer, _, parsed = self.calls.parse(answer, final=True, cut=self._cut_short)
             calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in parsed if c.done)
             if calls and finish == "stop":
                 finish = "tool_calls"
@@ -236,3 +256,11 @@ class Output:
                         self.text.stopped_by)
         self.sink(done)
         return done
+
+
+def _suffix_prefix(text: str, marker: str) -> int:
+    """How many characters at the end of `text` are a proper start of `marker`."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0

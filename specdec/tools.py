@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from .grammar import GrammarError
+
 
 ID = "\x00"  # where a call's id sits in a segment
 ID_CHARS = "[A-Za-z0-9]"
@@ -289,7 +291,9 @@ def _detect_args(render: Render, as_string: bool, text_open: str, turn_end: str,
         return None if s is None else s.replace(PROBE_IDS[0], ID)
 
     marker = _marker(first)
-    return ToolFormat("template", text_open, first, fix(after_text), fix(name_end),
+    if not first or not name_end or not marker:  # a name written bare: nothing to anchor on
+        return None
+    return ToolFormat("template", text_open, fix(first), fix(after_text), fix(name_end),
                       fix(between), fix(close), marker, "string" if as_string else "object",
                       xml, id_len)
 
@@ -446,7 +450,7 @@ def tools_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], *, text: bool,
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     for i, t in enumerate(tools):
         rules.append(f"call_{i}: {json.dumps(t.name)} {lk.expr(fmt.name_end)} "
-                     f"{_args_rule(fmt, t, i, rules)}")
+                     f"{_args_rule(fmt, t, i, rules, lk)}")
     if fmt.id_len:
         rules.append(f"call_id: /{ID_CHARS}{{{fmt.id_len}}}/")
     grammars: list[dict[str, Any]] = [{"lark_grammar": "\n".join(rules)}]
@@ -514,7 +518,7 @@ def json_calls_schema(fmt: ToolFormat, tools: Sequence[ToolSpec], parallel: bool
             props = node["_call"]
             alts = []
             for t in tools:
-                p = {k: ({"const": t.name} if "_name" in v else dict(t.parameters)
+                p = {k: ({"const": t.name} if "_name" in v else _arguments(t)
                          if "_args" in v else v) for k, v in props.items()}
                 alts.append({"type": "object", "properties": p, "required": list(p),
                              "additionalProperties": False})
@@ -556,13 +560,24 @@ def _schema(t: ToolSpec, schema: Mapping[str, Any]) -> str:
     return "%json " + json.dumps(s, ensure_ascii=False)
 
 
-def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str]) -> str:
+def _arguments(t: ToolSpec) -> dict[str, Any]:
+    """A tool's parameters as the arguments' schema: an object, whatever it leaves out."""
+    schema = dict(t.parameters)
+    if "type" not in schema and not any(k in schema for k in ("anyOf", "oneOf", "allOf",
+                                                              "$ref", "enum", "const")):
+        schema["type"] = "object"
+    return schema
+
+
+def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str], lk: Lark) -> str:
     if fmt.xml is None:
-        return _schema(t, t.parameters)
+        return _schema(t, _arguments(t))
     x = fmt.xml
-    lk = Lark({})
-    props: Mapping[str, Any] = t.parameters.get("properties") or {}
-    required = set(t.parameters.get("required") or ())
+    props = t.parameters.get("properties") or {}
+    if not isinstance(props, Mapping):
+        props = {}
+    required = {r for r in (t.parameters.get("required") or ()) if isinstance(r, str)}
+    defs = {k: t.parameters[k] for k in ("$defs", "definitions") if k in t.parameters}
     end = x.value_end
     rules.append(f"VALUE_{i}: /(?s:.*)/ & ~/(?s:.*){_rx(end)}(?s:.*)/")
     if not props:  # any keys, string values
@@ -576,7 +591,13 @@ def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str]) -> str:
     keys = list(props)
     n = len(keys)
     for j, k in enumerate(keys):
-        sub = props[k] if isinstance(props[k], Mapping) else {}
+        sub = {**(props[k] if isinstance(props[k], Mapping) else {}), **defs}
+        loose = sorted(set(sub) - {"type", "enum", "title", "description", "$defs",
+                                   "definitions", "default", "examples"})
+        if t.strict and sub.get("type") == "string" and loose:
+            raise GrammarError("tools", f"tool {t.name!r}: parameter {k!r} is written raw in "
+                               f"this model's format, which cannot enforce {loose}; drop "
+                               "strict or those keywords")
         if sub.get("type") == "string" and isinstance(sub.get("enum"), list):
             value = "(" + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + ")"
         else:
@@ -622,32 +643,51 @@ class CallParser:
     Attributes:
         fmt: the format.
         string_keys: per tool name, the parameters whose values XML writes raw (strings).
+        names: the tools' names: an answer that opens like a call but names none of them
+            is text (a JSON answer under Llama 3.1's format, say).
     """
 
     fmt: ToolFormat
     string_keys: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    names: tuple[str, ...] = ()  # the tools' names (none given: any name)
     _ids: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
-    def parse(self, s: str, final: bool = False) -> tuple[str, int, list[ParsedCall]]:
+    def parse(self, s: str, final: bool = False, cut: bool = False
+              ) -> tuple[str, int, list[ParsedCall]]:
+        """(text, how much of it is certain, calls) of the answer `s` so far; `final`: it is
+        all there; `cut`: max_tokens ended it (what could be the start of markup is
+        dropped from the text, never reported as text)."""
         f = self.fmt
-        if s.startswith(f.first):
+        if s.startswith(f.first) and self._names_a_tool(s[len(f.first):]):
             return "", 0, self._calls(s, len(f.first), final)
-        if not s.startswith(f.text_open):
-            # the answer's opening markup is still being written (or it opens a call)
-            return "", 0, []
-        body = s[len(f.text_open):]
+        if s.startswith(f.text_open):
+            body = s[len(f.text_open):]
+        elif f.text_open.isspace():  # a detokenizer drops a leading space (SentencePiece)
+            body = s
+        elif not final and (f.text_open.startswith(s) or f.first.startswith(s)):
+            return "", 0, []  # the answer's opening markup is still being written
+        else:
+            body = s
         if f.after_text is not None:
             lead = f.after_text.split(ID)[0]
             at = body.find(lead) if lead else -1
             if at >= 0:
                 return body[:at], at, self._calls(body, at + len(lead), final,
                                                    expect=f.after_text[len(lead):])
-        if final:
-            return body, len(body), []
         marks = [f.marker] + ([f.after_text.split(ID)[0]] if f.after_text else [])
         if not f.text_open:
             marks.append(f.first)
-        return body, len(body) - _held(body, marks), []
+        if final and not cut:
+            return body, len(body), []
+        body = body[:len(body) - _held(body, marks)] if cut else body
+        return body, len(body) - (0 if cut else _held(body, marks)), []
+
+    def _names_a_tool(self, rest: str) -> bool:
+        """Whether what follows a call's opening markup can still be a tool's name."""
+        if not self.names:
+            return True
+        ends = [n + self.fmt.name_end.split(ID)[0] for n in self.names]
+        return any(rest.startswith(e) or e.startswith(rest) for e in ends)
 
     def _calls(self, s: str, pos: int, final: bool, expect: str = "") -> list[ParsedCall]:
         f = self.fmt

@@ -379,3 +379,112 @@ def test_a_response_format_with_refs_and_json_calls_compile_together(tool_engine
     assert accepts(e, req.grammar.text, '{"city": "Oslo"}')
     assert accepts(e, req.grammar.text, GENERIC.write(
         [(IDS[0], "get_weather", '{"city": "Oslo", "days": 1}')]))
+
+
+# -- reading answers back, and what never leaks ----------------------------------------------
+
+HERMES = ToolFormat("template", "", '<tool_call>\n{"name": "', '\n<tool_call>\n{"name": "',
+                    '", "arguments": ', '}\n</tool_call>\n<tool_call>\n{"name": "',
+                    '}\n</tool_call>', "<tool_call>")
+LLAMA = ToolFormat("template", "", '{"name": "', None, '", "parameters": ', None, "}",
+                   '{"name": "')
+HARMONY = ToolFormat("template", "<|channel|>final<|message|>",
+                     "<|channel|>commentary to=functions.", None,
+                     " <|constrain|>json<|message|>", None, "", "<|channel|>commentary")
+
+
+def run_text(fmt: ToolFormat, pieces: list[str], finish: str = "stop", stop=(), names=()):
+    from specdec.output import Output
+    from specdec.speculative import SpecStats
+    from specdec.tools import CallParser
+
+    vocab = {i: p for i, p in enumerate(pieces)}
+    got: list = []
+    out = Output(lambda ids: "".join(vocab[i] for i in ids), got.append, stop=stop,
+                 calls=CallParser(fmt, names=names))
+    for i in vocab:
+        if out.feed(i):
+            break
+    out.finish(finish, SpecStats(), 1.0)
+    return got
+
+
+def streamed_text(events) -> str:
+    from specdec.events import TextDelta
+
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def test_a_stop_string_never_cuts_the_markup_that_opens_a_call():
+    got = run_text(HERMES, ["Let me check.", "\n", "<tool_call>", '\n{"name": "f', '", ',
+                            '"arguments": {}}', "\n</tool_call>"], stop=("\n",))
+    assert got[-1].finish_reason == "tool_calls" and got[-1].text == "Let me check."
+    assert streamed_text(got) == "Let me check."
+    # ... and still ends text where no call follows
+    got = run_text(HERMES, ["Hi", "\n", "there"], stop=("\n",))
+    assert (got[-1].text, got[-1].finish_reason, got[-1].stop_sequence) == ("Hi", "stop", "\n")
+
+
+def test_stop_strings_apply_to_a_text_answer_after_its_header():
+    got = run_text(HARMONY, ["<|channel|>", "final", "<|message|>", "Hello ", "STOP", " x"],
+                   stop=("STOP",))
+    assert (got[-1].text, got[-1].finish_reason) == ("Hello ", "stop")
+
+
+def test_a_leading_space_the_detokenizer_dropped_is_still_text():
+    from specdec.tools import CallParser
+
+    mistral = ToolFormat("template", " ", '[TOOL_CALLS] [{"name": "', None,
+                         '", "arguments": ', None, "}]", "[TOOL_CALLS] [")
+    assert CallParser(mistral).parse("Hello world.", final=True)[0] == "Hello world."
+
+
+def test_an_answer_that_opens_like_a_call_but_names_no_tool_is_text():
+    got = run_text(LLAMA, ['{"name": "', 'Ada", "age": 36}'], names=("get_weather",))
+    assert got[-1].text == '{"name": "Ada", "age": 36}' and got[-1].tool_calls == ()
+    assert streamed_text(got) == got[-1].text
+
+
+@pytest.mark.parametrize("pieces", [
+    ["Let me check.", "\n<tool_call>", '\n{"na'],
+    ["<tool_ca"],
+], ids=["text-then-cut-markup", "cut-marker"])
+def test_markup_cut_by_max_tokens_never_reaches_content(pieces):
+    got = run_text(HERMES, pieces, finish="length")
+    assert "<tool" not in got[-1].text and "<tool" not in streamed_text(got)
+    assert got[-1].finish_reason == "length" and got[-1].tool_calls == ()
+
+
+def test_every_token_of_a_call_is_carried_by_an_event_including_its_closing_markup():
+    got = run_text(HERMES, ['<tool_call>\n{"name": "', 'f", "arguments": ', "{}",
+                            "}\n</tool_call>"])
+    assert [t for e in got[:-1] for t in e.tokens] == list(got[-1].tokens) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("tool, param", [
+    (Tool("f", None, {"type": "object", "properties": [1]}), "tools"),
+    (Tool("f", None, {"type": "object", "properties": {"a": {"type": "string"}},
+                      "required": [["a"]]}), "tools"),
+], ids=["properties-not-an-object", "required-not-names"])
+@pytest.mark.parametrize("key", ["hermes", "qwen3_coder", "generic"])
+def test_malformed_tool_schemas_are_a_400(tool_engine, key, tool, param):
+    with pytest.raises(RequestError) as err:
+        tool_engine(key).prepare(GenerateRequest(messages=ASK, tools=(tool,)))
+    assert err.value.param == param
+
+
+def test_a_response_format_that_is_not_json_is_a_400_with_json_calls(tool_engine):
+    from specdec.grammar import Constraint
+
+    with pytest.raises(RequestError) as err:
+        tool_engine("generic").prepare(GenerateRequest(
+            messages=ASK, tools=(WEATHER,), constraint=Constraint.json_schema("{not json")))
+    assert err.value.param == "constraint"
+
+
+def test_strict_xml_tools_refuse_string_keywords_the_format_cannot_enforce(tool_engine):
+    tool = Tool("f", None, {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^x+$"}}}, strict=True)
+    with pytest.raises(RequestError) as err:
+        tool_engine("qwen3_coder").prepare(GenerateRequest(messages=ASK, tools=(tool,)))
+    assert err.value.param == "tools" and "pattern" in str(err.value)
