@@ -149,6 +149,18 @@ def test_tool_call_is_a_tool_use_block_with_an_input_object():
     assert engine.seen[0].tool_choice == "required"
 
 
+def test_a_call_cut_by_max_tokens_is_not_a_tool_use_block():
+    script = [ToolCallDelta(0, CALL.id, CALL.name, '{"city": "Pa'), finished("length")]
+
+    async def go(c: anthropic.AsyncAnthropic) -> Any:
+        return await c.messages.create(
+            model="fake-model", max_tokens=16, messages=ASK, tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "input_schema": {"type": "object"}}])
+
+    whole, _ = call(script, go)
+    assert whole.content == [] and whole.stop_reason == "max_tokens"
+
+
 @pytest.mark.parametrize("finish, extra, want", [
     ("length", {}, ("max_tokens", None)),
     ("stop", {"stop_sequence": "END"}, ("stop_sequence", "END")),
@@ -198,9 +210,10 @@ def test_history_blocks_map_onto_the_neutral_conversation():
         ("system", "Be brief."), ("user", "Weather?"), ("assistant", ""),
         ("tool", "sunny"), ("user", "And tomorrow?")]
     assert msgs[2].reasoning == "Call it."
+    # ids as the engine wrote them (`toolu_` is Anthropic's spelling of ours)
     assert [(c.id, c.name, json.loads(c.arguments)) for c in msgs[2].tool_calls] == [
-        ("toolu_1", "get_weather", {"city": "Paris"})]
-    assert (msgs[3].tool_call_id, msgs[3].name) == ("toolu_1", "get_weather")
+        ("1", "get_weather", {"city": "Paris"})]
+    assert (msgs[3].tool_call_id, msgs[3].name) == ("1", "get_weather")
 
 
 @pytest.mark.parametrize("extra, check", [
