@@ -285,7 +285,7 @@ class Forecast(BaseModel):
 
 def test_pydantic_ai_output_tool_validation_retry_is_served(server, wire):
     from pydantic_ai import Agent, ModelRetry
-    from pydantic_ai.messages import RetryPromptPart, ToolCallPart
+    from pydantic_ai.messages import RetryPromptPart, ToolCallPart, ToolReturnPart
 
     agent = Agent(pydantic_ai_model(server, wire), output_type=Forecast,
                   instructions="Give the forecast.",
@@ -309,8 +309,11 @@ def test_pydantic_ai_output_tool_validation_retry_is_served(server, wire):
     assert [c.tool_name for c in calls] == ["final_result", "final_result"]
     for c in calls:
         jsonschema.validate(c.args_as_dict(), schema)
+    # The re-ask answers the first call: a RetryPromptPart, or (pydantic-ai >= 2.6x) that
+    # call's own ToolReturnPart with outcome "retried".
     (retry,) = [p for m in result.all_messages() for p in m.parts
-                if isinstance(p, RetryPromptPart)]
+                if isinstance(p, RetryPromptPart) or (
+                    isinstance(p, ToolReturnPart) and getattr(p, "outcome", "") == "retried")]
     assert retry.tool_call_id == calls[0].tool_call_id
     assert "Give the forecast again." in chat_tool_result(wire.bodies[1], calls[0].tool_call_id)
 
