@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .chat import NO_THINK_KWARGS, render_chat, render_thinking
+from .chat import NO_THINK_KWARGS, ChatTemplateError, render_chat, render_thinking
 from .core import DecodeState, Models, new_state
 from .decode import PromptKVCache, TokenId
 from .errors import RequestError
@@ -407,15 +407,25 @@ class Engine:
             if r.reasoning_effort is not None:
                 kwargs.setdefault("reasoning_effort", r.reasoning_effort)
             schemas = [tool_schema(t) for t in tools]
+            turns = [msgs]
             if fmt is not None and fmt.source == "generic":
-                msgs = generic_messages(msgs, schemas)
+                turns = [generic_messages(msgs, schemas)]
+                if schemas and msgs[0]["role"] != "system":  # a template may refuse one
+                    turns.append(generic_messages(msgs, schemas, system=False))
             elif tools:  # the template shows the model its tools
                 kwargs["tools"] = schemas
             constrained = bool(tools) or r.constraint is not None
-            if r.thinking:
-                ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
-            else:
-                ids = self.chat_prompt(msgs, constrained=constrained, template_kwargs=kwargs)
+            for n, msgs in enumerate(turns):
+                try:
+                    if r.thinking:
+                        ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
+                    else:
+                        ids = self.chat_prompt(msgs, constrained=constrained,
+                                               template_kwargs=kwargs)
+                    break
+                except ChatTemplateError:
+                    if n == len(turns) - 1:
+                        raise
         constraint = r.constraint
         calls = None
         if tools:

@@ -141,11 +141,12 @@ GENERIC_SYSTEM = (
     "in text.")
 
 
-def generic_messages(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]
-                     ) -> list[dict[str, Any]]:
+def generic_messages(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]],
+                     system: bool = True) -> list[dict[str, Any]]:
     """A conversation for a template without tool support: the tools described in the
-    system message, calls written into the assistant's text in `GENERIC`'s format, and tool
-    results as a user turn of `<tool_response>` blocks (consecutive results merged)."""
+    system message (`system` False: at the start of the first user turn, for templates
+    without a system role), calls written into the assistant's text in `GENERIC`'s format,
+    and tool results as a user turn of `<tool_response>` blocks (consecutive ones merged)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -168,8 +169,14 @@ def generic_messages(messages: list[dict[str, Any]], tools: Sequence[Mapping[str
                                                      for t in tools))
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
-        else:
+        elif system:
             out.insert(0, {"role": "system", "content": text})
+        else:
+            at = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+            if at is None:
+                out.insert(0, {"role": "user", "content": text})
+            else:
+                out[at] = {**out[at], "content": f"{text}\n\n{out[at]['content']}"}
     return out
 
 

@@ -488,3 +488,26 @@ def test_strict_xml_tools_refuse_string_keywords_the_format_cannot_enforce(tool_
     with pytest.raises(RequestError) as err:
         tool_engine("qwen3_coder").prepare(GenerateRequest(messages=ASK, tools=(tool,)))
     assert err.value.param == "tools" and "pattern" in str(err.value)
+
+
+def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_turn(tmp_path):
+    # Gemma 2's template raises on a system message; the generic format then describes the
+    # tools at the start of the first user turn, and a forced call still parses.
+    from tests.families import GEMMA
+
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}"
+                + GEMMA)
+    e = Engine(load(str(make_family("qwen2.5", tmp_path / "g", template=template))))
+    assert e.tool_format().source == "generic"
+    ask = (Message("user", "Weather in Paris?"),)
+    req = e.prepare(GenerateRequest(messages=ask, tools=(WEATHER,), tool_choice="required",
+                                    parallel_tool_calls=False, max_tokens=60))
+    prompt = e.decode_text(req.prompt_ids)
+    assert "get_weather" in prompt and prompt.index("<tools>") < prompt.index("Weather in")
+    done = e.generate(req)
+    assert done.finish_reason == "tool_calls", done
+    jsonschema.validate(json.loads(done.tool_calls[0].arguments), dict(WEATHER.parameters))
+    with pytest.raises(RequestError):  # the client's own system message is still refused
+        e.prepare(GenerateRequest(messages=(Message("system", "Be brief."),) + ask,
+                                  tools=(WEATHER,)))
