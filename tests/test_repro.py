@@ -38,7 +38,6 @@ CELLS = {
     "greedy": [
         Cell("distilled", SpecConfig(4, lookup=True, draft_min_prob=0.3)),  # the shipped default
         Cell("distilled", SpecConfig(8, draft_masking=False, lookup=True)),
-        Cell("distilled", SpecConfig(2, draft_masking=False, draft_min_prob=0.3)),
         Cell("distilled", SpecConfig(2, forced_drafting=False, lookup=True)),
         Cell("self", SpecConfig(8, draft_masking=False, draft_min_prob=0.3)),
         Cell("none", SpecConfig(8)),                  # grammar-forced tokens only
