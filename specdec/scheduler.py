@@ -153,17 +153,34 @@ class Scheduler:
     def active(self) -> int:
         return len(self._active)
 
+    def check_room(self) -> None:
+        """Raise what `submit` would raise now for want of room (QueueFull, or
+        SchedulerStopped), before a caller spends work preparing a request."""
+        with self._cv:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        """(the caller holds `_cv`)"""
+        if self.fatal is not None:
+            raise SchedulerStopped(f"the server stopped after a fatal error: {self.fatal}")
+        if self._stop:
+            raise SchedulerStopped("the engine's scheduler has stopped")
+        # A request whose caller left while it waited gives its place back now, not when
+        # a round would have admitted it.
+        left = [t for t in self._waiting if t.cancelled.is_set()]
+        for t in left:
+            self._waiting.remove(t)
+            self.stats.cancelled += 1
+            t.output.fail(Cancelled("the request was cancelled while it waited"))
+        # Capacity: max_batch decoding plus max_queue waiting (admission lags a round).
+        if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
+            raise QueueFull(f"{self.max_batch} requests are decoding and "
+                            f"{len(self._waiting)} waiting (at most {self.max_queue})")
+
     def submit(self, ticket: Ticket) -> None:
         """Queue a request. Raises QueueFull when `max_queue` requests already wait."""
         with self._cv:
-            if self.fatal is not None:
-                raise SchedulerStopped(f"the server stopped after a fatal error: {self.fatal}")
-            if self._stop:
-                raise SchedulerStopped("the engine's scheduler has stopped")
-            # Capacity: max_batch decoding plus max_queue waiting (admission lags a round).
-            if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
-                raise QueueFull(f"{self.max_batch} requests are decoding and "
-                                f"{len(self._waiting)} waiting (at most {self.max_queue})")
+            self._check_room()
             ticket.t0 = time.perf_counter()
             self._keys += 1
             ticket.key = self._keys
