@@ -2,7 +2,8 @@
 
 MLX's Linux wheel links a reference BLAS (~2.5 GFLOP/s here). Debian's OpenBLAS, preloaded,
 makes a decode step ~2x faster, but its results depend on the batch shape, so the exactness
-gate keeps the reference BLAS (bitwise batch-invariant). `SPECDEC_BLAS` selects:
+gate keeps the reference BLAS (bitwise batch-invariant). `SPECDEC_BLAS`, or the launcher's
+`--blas` (which sets it, for this process and the ones it starts), selects:
 
     auto       OpenBLAS when installed (default for the CLI, server and benchmarks)
     openblas   OpenBLAS, an error if it is not installed
@@ -21,6 +22,13 @@ from collections.abc import Callable
 from typing import Literal
 
 BlasChoice = Literal["auto", "openblas", "reference"]
+CHOICES: tuple[BlasChoice, ...] = ("auto", "openblas", "reference")
+# Whether a request's logits are independent of the other requests in its batch, as the suite
+# measures it (tests/test_batching.py and its OpenBLAS control).
+BATCH_INVARIANT = {
+    "reference": "yes: bitwise, whatever the batch",
+    "openblas": "no: logits move with the batch (by up to ~1e-4), so tokens at near-ties can",
+}
 
 # Debian's packages: libopenblas0-pthread (preferred) or libopenblas0-openmp.
 OPENBLAS_CANDIDATES = (
@@ -47,9 +55,17 @@ def openblas_path() -> str | None:
 def requested() -> BlasChoice:
     """The BLAS asked for by `SPECDEC_BLAS` (default `auto`)."""
     v = os.environ.get("SPECDEC_BLAS", "auto").strip().lower() or "auto"
-    if v not in ("auto", "openblas", "reference"):
-        raise BlasError(f"SPECDEC_BLAS={v!r}: expected one of auto, openblas, reference")
+    if v not in CHOICES:
+        raise BlasError(f"SPECDEC_BLAS={v!r}: expected one of {', '.join(CHOICES)}")
     return v  # type: ignore[return-value]
+
+
+def request(choice: BlasChoice) -> None:
+    """Ask for `choice` as `SPECDEC_BLAS={choice}` would (the launcher's `--blas`): the
+    `ensure_blas` that follows, the re-exec'd process and every process it starts see it."""
+    if choice not in CHOICES:
+        raise BlasError(f"--blas {choice!r}: expected one of {', '.join(CHOICES)}")
+    os.environ["SPECDEC_BLAS"] = choice
 
 
 def active() -> str:

@@ -99,7 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens a thinking request thinks before its answer when it "
                         "gives no max_thinking_tokens (and at most half its max_tokens)")
     _add_spec_args(s)
+    for p in sub.choices.values():  # every subcommand runs MLX (`launch`: on its ranks)
+        _add_blas_arg(p)
     return ap
+
+
+def _add_blas_arg(p: argparse.ArgumentParser) -> None:
+    from .blas import CHOICES
+
+    p.add_argument("--blas", choices=CHOICES, default=None,
+                   help="MLX's CPU BLAS on Linux, as SPECDEC_BLAS (default: it, else auto): "
+                        "'openblas' (~2x faster decoding; a request's tokens can depend on "
+                        "its neighbours at near-ties), 'reference' (batch-invariant: output "
+                        "bitwise independent of the batch), 'auto' (OpenBLAS when installed)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -274,6 +286,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "gpu_backend": models.gpu_backend(),
         "blas_active": blas.active(),
         "blas_requested": blas.requested(),
+        "batch_invariant": blas.BATCH_INVARIANT.get(blas.active(), "not measured"),
         "openblas_path": blas.openblas_path(),
         "default_model": "SmolLM2-135M-Instruct (embedded)",
         "default_weight_format": models.default_weight_format(),
@@ -334,9 +347,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .blas import BlasError, ensure_blas
+    from .blas import request as request_blas
 
     args = build_parser().parse_args(argv)
     try:
+        if args.blas is not None:
+            request_blas(args.blas)  # as SPECDEC_BLAS, for the re-exec and its children
         ensure_blas()
     except BlasError as e:
         print(f"specdec: {e}", file=sys.stderr)
