@@ -4,19 +4,25 @@ Each request contributes its own run of tokens (its verify rows: the last token 
 proposals, or one token when decoding plainly, or a prefill chunk) and its own KV cache. The
 weight matmuls (q/k/v/o projections, MLP, head) run once over all rows concatenated.
 
-Attention: a request's cache is a slot of its model's `Slab` (one keys and one values array
-per layer for all requests, `make_cache`). Short segments (decode and verify rows) take
-RoPE and write their new keys/values over their real rows, each row at its own position (one
-scatter per layer), and attend in one masked call per group of similar-length segments over
-those requests' slots, rows padded to the group's longest segment; the mask gives padded and
+Storage (`make_cache`): a request's cache is a slot of its model's `Slab` (one keys and one
+values array per layer for all requests) while it fits in `SLOT_POSITIONS` positions; a
+request that may need more (its horizon says so, or it grows past the limit) has storage of
+its own, freed when it leaves. A slab's capacity follows its longest live slot and shrinks
+when that one leaves, so one long request never sizes every slot.
+
+Attention: short segments (decode and verify rows) in the shared slab take RoPE and write
+their new keys/values over their real rows, each row at its own position (one scatter per
+layer), and attend in one masked call per group of similar-length segments over those
+requests' slots, rows padded to the group's longest segment; the mask gives padded and
 foreign positions finfo.min scores and so zero weight. Long segments (prefill chunks), and
-caches that are not slab slots, take RoPE, the cache update and attention per request with
-exactly the shapes they would have alone.
+caches of their own, take RoPE, the cache update and attention per request with exactly the
+shapes they would have alone, in the same pass.
 
 Batch invariance: a matmul computes each output row from that row alone on the reference
 BLAS, its reductions run in a fixed order over the reduced axis and zero-weighted positions
-add exact zeros, so a request's logits do not depend on its neighbours or on the padding
-(tests/test_batching.py compares them bitwise with mlx-lm's own forward alone).
+add exact zeros, so a request's logits do not depend on its neighbours, on the padding, or on
+where its neighbours' caches live (tests/test_batching.py and tests/test_kv_memory.py compare
+them bitwise with mlx-lm's own forward alone).
 
 Supported: mlx-lm's llama-family `Model` classes (llama, mistral, qwen2 and others with the
 same block layout), also inside a wrapper that maps ids and logits (a pruned-vocabulary
@@ -30,6 +36,7 @@ import heapq
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -107,17 +114,30 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
     bounds = [0]
     for n in lens:
         bounds.append(bounds[-1] + n)
-    slab = _slab_segments(segments)
-    if slab is not None:
-        h = _attend_slab(inner, h, segments, slab)
-    for li, layer in enumerate(inner.layers if slab is None else ()):
+    _reserve(segments, _kv_dims(inner, h.dtype))  # no storage changes shape during the pass
+    batched = _batched(segments)
+    plan = _plan(inner, segments, batched) if batched else None
+    alone = sorted(set(range(len(segments))) - set(batched))
+    # Attention output rows: the batched call's (padded, `plan.where`), then each alone
+    # segment's; `back` puts the real rows in segment order for o_proj.
+    order = [0] * bounds[-1]
+    at = plan.n_out if plan is not None else 0
+    for j, i in enumerate(batched):
+        for t in range(lens[i]):
+            order[bounds[i] + t] = plan.where[j] + t
+    for i in alone:
+        for t in range(lens[i]):
+            order[bounds[i] + t] = at + t
+        at += lens[i]
+    back = None if order == list(range(bounds[-1])) and at == bounds[-1] else mx.array(order)
+    for li, layer in enumerate(inner.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
         q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)  # (1, N, *)
-        outs = []
-        for i, (_, cache) in enumerate(segments):
+        outs = [] if plan is None else [_attend_batched(a, li, q[0], k[0], v[0], plan)]
+        for i in alone:
             s, e = bounds[i], bounds[i + 1]
-            c = cache[li]
+            c = segments[i][1][li]
             qi = q[:, s:e].reshape(1, e - s, a.n_heads, -1).transpose(0, 2, 1, 3)
             ki = k[:, s:e].reshape(1, e - s, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
             vi = v[:, s:e].reshape(1, e - s, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -126,9 +146,13 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
             ki, vi = c.update_and_fetch(ki, vi)
             mask = create_attention_mask(x[:, s:e], c)
             o = scaled_dot_product_attention(qi, ki, vi, cache=c, scale=a.scale, mask=mask)
-            outs.append(o.transpose(0, 2, 1, 3).reshape(1, e - s, -1))
-        h = h + a.o_proj(mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0])
+            outs.append(o.transpose(0, 2, 1, 3).reshape(e - s, -1))
+        o = mx.concatenate(outs) if len(outs) > 1 else outs[0]  # (rows out, n_heads * v_dim)
+        h = h + a.o_proj((o if back is None else o[back])[None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
+    for i in batched:
+        for c in segments[i][1]:
+            c.offset += lens[i]
     # The head only over the rows asked for (a prefill chunk needs none).
     keep = [j for i, r in enumerate(rows) for j in range(bounds[i + 1] - r, bounds[i + 1])]
     if not keep:
@@ -146,27 +170,54 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
     return out
 
 
+# Positions a slot of a model's shared slab may hold. A request whose horizon is longer
+# gets storage of its own (so does one that grows past it), so the slab, sized by its longest
+# live slot, holds at most slots x this many positions (8 slots of the embedded model, 46 KB
+# a position: 755 MB). A request that long does most of its attention work on its own keys
+# anyway, so attending alone (a few more calls per layer) costs it little.
+SLOT_POSITIONS = 2048
+
+Dims = tuple[int, int, int, mx.Dtype]  # (kv_heads, k_dim, v_dim, dtype) of a model's KV
+
+
+def _round(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
 class Slab:
-    """KV storage shared by the requests of one model: per layer, keys and values of shape
+    """KV storage for the requests of one model: per layer, keys and values of shape
     (slots, kv_heads, capacity, head_dim); a request owns one slot (`SlotCache` per layer).
 
     One array per layer lets `forward` update and attend over every request's cache with a
     constant number of operations per layer, however many requests share the round. Slots are
-    taken lowest first, so active requests sit in a dense range; capacity grows in steps of
-    256 positions to the longest request's need. All memory is released when the last slot
-    is freed. Not for concurrent decoding threads on one model (one decode thread owns it).
+    taken lowest first, so active requests sit in a dense range. Each slot's need is the most
+    positions it has held; capacity grows in steps of 256 positions to the longest live
+    need and shrinks back (`fit`, before each `forward` pass) once that is at most half of
+    it; slots double when all are taken and halve once the upper half is free. All memory is
+    released when the last slot is freed.
+
+    A model's shared slab takes slots of up to `max_positions` positions (None: no limit).
+    Storage of a request's own (`own`, made by `spawn`) is a slab of one slot that takes an
+    eighth more than it needs each time it grows (bounded copying while a long prompt is
+    prefilled), never past its `horizon` when one is known, and is freed with its request.
+
+    Not for concurrent decoding threads on one model (one decode thread owns it); slots may
+    be freed from any thread (their caches' finalizers).
     """
 
     STEP = 256
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, max_positions: int | None = None, *, own: bool = False,
+                 horizon: int | None = None) -> None:
         self.n_layers = n_layers
+        self.max_positions, self.own, self.horizon = max_positions, own, horizon
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         self.cap = 0
         self._n = 0  # slot ids handed out so far (ids < _n are live or in _free)
         self._free: list[int] = []
-        self._live = 0
+        self._need: dict[int, int] = {}  # live slot id -> most positions it has held
+        self._spawned: weakref.WeakSet[Slab] = weakref.WeakSet()
         self._lock = threading.RLock()
 
     def alloc(self) -> _Slot:
@@ -175,16 +226,26 @@ class Slab:
                 i = heapq.heappop(self._free)
             else:
                 i, self._n = self._n, self._n + 1
-            self._live += 1
+            self._need[i] = 0
             return _Slot(self, i)
+
+    def spawn(self, horizon: int | None = None) -> Slab:
+        """Storage of its own for one request of this slab's model (counted in `kv_nbytes`)."""
+        own = Slab(self.n_layers, own=True, horizon=horizon)
+        self._spawned.add(own)
+        return own
 
     def _release(self, i: int) -> None:
         with self._lock:
-            self._live -= 1
-            if self._live == 0:  # nobody left: give the memory back
+            del self._need[i]
+            if not self._need:  # nobody left: give the memory back
                 self.keys, self.values, self.cap, self._n, self._free = [], [], 0, 0, []
             else:
                 heapq.heappush(self._free, i)
+
+    def _note(self, i: int, end: int) -> None:
+        with self._lock:
+            self._need[i] = max(self._need[i], end)
 
     @property
     def slots(self) -> int:
@@ -192,15 +253,26 @@ class Slab:
         return self.keys[0].shape[0] if self.keys else 0
 
     @property
+    def live(self) -> int:
+        """Slots held by requests now."""
+        return len(self._need)
+
+    @property
+    def need(self) -> int:
+        """The longest live slot's need: the most positions it has held."""
+        with self._lock:
+            return max(self._need.values(), default=0)
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values)
 
     def ensure(self, cap: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
-        """Make every slot handed out hold at least `cap` positions."""
+        """Make every slot handed out hold at least `cap` positions (grows, never shrinks)."""
         with self._lock:
             need_s = max(self._n, 1)
             if not self.keys:
-                c = -(-cap // self.STEP) * self.STEP
+                c = self._grown(cap)
                 self.keys = [mx.zeros((need_s, kv_heads, c, k_dim), dtype)
                              for _ in range(self.n_layers)]
                 self.values = [mx.zeros((need_s, kv_heads, c, v_dim), dtype)
@@ -210,22 +282,55 @@ class Slab:
             s = self.slots
             if need_s <= s and cap <= self.cap:
                 return  # (no eval: a caller's pending writes stay queued with its forward)
-            if need_s > s:  # more requests than slots: double
-                add = max(need_s - s, s)
-                self.keys = [mx.concatenate([k, mx.zeros((add, *k.shape[1:]), k.dtype)])
-                             for k in self.keys]
-                self.values = [mx.concatenate([v, mx.zeros((add, *v.shape[1:]), v.dtype)])
-                               for v in self.values]
-            if cap > self.cap:
-                add = -(-(cap - self.cap) // self.STEP) * self.STEP
-                self.keys = [mx.concatenate(
-                    [k, mx.zeros((k.shape[0], k.shape[1], add, k.shape[3]), k.dtype)], axis=2)
-                    for k in self.keys]
-                self.values = [mx.concatenate(
-                    [v, mx.zeros((v.shape[0], v.shape[1], add, v.shape[3]), v.dtype)], axis=2)
-                    for v in self.values]
-                self.cap += add
-            mx.eval(self.keys, self.values)
+            self._resize(s if need_s <= s else max(need_s, 2 * s),  # more requests: double
+                         self._grown(cap) if cap > self.cap else self.cap)
+
+    def fit(self) -> None:
+        """Give back what the live slots no longer need: capacity down to the longest live
+        need (rounded up to a step) once that is at most half of it, slots down to the
+        highest live one once the upper half is free. What stays is copied into new arrays
+        (a slice would keep the old ones alive); `forward` calls this before its pass, so
+        a slab never changes shape during one."""
+        with self._lock:
+            if not self.keys or not self._need:
+                return
+            cap = _round(max(max(self._need.values()), 1), self.STEP)
+            top = max(self._need) + 1
+            cap = cap if 2 * cap <= self.cap else self.cap
+            slots = top if 2 * top <= self.slots else self.slots
+            if (slots, cap) == (self.slots, self.cap):
+                return
+            self._resize(slots, cap)
+            self._free = [i for i in self._free if i < slots]
+            heapq.heapify(self._free)
+            self._n = min(self._n, slots)
+
+    def _grown(self, cap: int) -> int:
+        if not self.own:
+            return _round(cap, self.STEP)
+        c = _round(cap + cap // 8, self.STEP)  # one request: an eighth more, up to its horizon
+        if self.horizon is not None:
+            c = min(c, max(_round(cap, self.STEP), _round(self.horizon, self.STEP)))
+        return c
+
+    def _resize(self, slots: int, cap: int) -> None:
+        def resized(a: mx.array) -> mx.array:
+            b = a[:slots, :, :cap]
+            if b.shape[0] == a.shape[0] and b.shape[2] == a.shape[2]:
+                b = a
+            elif b.shape[0] < a.shape[0] or b.shape[2] < a.shape[2]:
+                b = mx.contiguous(b)  # its own buffer: the old one is freed
+            if b.shape[0] < slots:
+                b = mx.concatenate([b, mx.zeros((slots - b.shape[0], *b.shape[1:]), b.dtype)])
+            if b.shape[2] < cap:
+                b = mx.concatenate([b, mx.zeros((b.shape[0], b.shape[1], cap - b.shape[2],
+                                                 b.shape[3]), b.dtype)], axis=2)
+            return b
+
+        self.keys = [resized(k) for k in self.keys]
+        self.values = [resized(v) for v in self.values]
+        self.cap = cap
+        mx.eval(self.keys, self.values)
 
 
 class _Slot:
@@ -233,7 +338,37 @@ class _Slot:
 
     def __init__(self, slab: Slab, i: int) -> None:
         self.slab, self.i = slab, i
-        weakref.finalize(self, slab._release, i)
+        self._fin = weakref.finalize(self, slab._release, i)
+
+    def note(self, end: int) -> None:
+        """Record that the slot holds `end` positions; past its slab's limit it moves to
+        storage of its own first."""
+        limit = self.slab.max_positions
+        if limit is not None and end > limit:
+            self._move_own()
+        self.slab._note(self.i, end)
+
+    def reserve(self, end: int, dims: Dims) -> None:
+        """`note`, then make the slot's slab hold `end` positions."""
+        self.note(end)
+        self.slab.ensure(end, *dims)
+
+    def _move_own(self) -> None:
+        old, i = self.slab, self.i
+        own = old.spawn()
+        with old._lock:
+            n = old._need[i]
+            if old.keys and n:
+                c = _round(n, Slab.STEP)  # <= old.cap, a multiple of the step
+                own.keys = [mx.contiguous(k[i:i + 1, :, :c]) for k in old.keys]
+                own.values = [mx.contiguous(v[i:i + 1, :, :c]) for v in old.values]
+                own.cap = c
+                mx.eval(own.keys, own.values)
+        own._n, own._need = 1, {0: n}
+        self._fin.detach()
+        self.slab, self.i = own, 0
+        self._fin = weakref.finalize(self, own._release, 0)
+        old._release(i)
 
 
 class SlotCache(KVCache):
@@ -257,8 +392,9 @@ class SlotCache(KVCache):
             if s.values and self.offset else None
 
     def _write(self, keys: mx.array, values: mx.array, at: int) -> None:
-        s, n = self.slot.slab, keys.shape[2]
-        s.ensure(at + n, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        n = keys.shape[2]
+        self.slot.reserve(at + n, (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype))
+        s = self.slot.slab  # (after reserve: the slot may have moved to storage of its own)
         s.keys[self.layer][self.slot.i, :, at:at + n] = keys[0]
         s.values[self.layer][self.slot.i, :, at:at + n] = values[0]
 
@@ -294,19 +430,75 @@ class SlotCache(KVCache):
 _SLABS: dict[int, tuple[weakref.ref, Slab]] = {}  # id(model) -> (model, its slab)
 
 
-def make_cache(model: nn.Module) -> list:
-    """A request's per-layer caches: slots of the model's `Slab` when `forward` batches the
-    model, else mlx-lm's own caches."""
+def make_cache(model: nn.Module, horizon: int | None = None) -> list:
+    """A request's per-layer caches: when `forward` batches the model, a slot of the model's
+    shared `Slab` or, for a request that may need more than a slot holds, storage of its
+    own; else mlx-lm's own caches.
+
+    Args:
+        model: any mlx-lm model (or a pruned-vocabulary draft wrapping one).
+        horizon: the most positions the request can ever hold (prompt + max_tokens + its
+            proposals); above the slab's `max_positions` (`SLOT_POSITIONS`) the request gets
+            storage of its own. None: unknown (a slot, moved to storage of its own should it
+            grow past the limit).
+    Returns:
+        one cache per layer, for `forward` or `model(tokens, cache=...)`.
+    """
     if not supports(model):
         return make_prompt_cache(model)
     model = _base(model)
     slab = slab_of(model)
     if slab is None:
-        slab = Slab(len(_inner(model).layers))
+        slab = Slab(len(_inner(model).layers), SLOT_POSITIONS)
         key = id(model)
         _SLABS[key] = (weakref.ref(model, lambda _: _SLABS.pop(key, None)), slab)
-    slot = slab.alloc()
+    own = horizon is not None and slab.max_positions is not None and horizon > slab.max_positions
+    slot = (slab.spawn(horizon) if own else slab).alloc()
     return [SlotCache(slot, i) for i in range(slab.n_layers)]
+
+
+def kv_bytes_per_position(model: nn.Module) -> int:
+    """Bytes one position of a request's KV cache takes: every layer's keys and values
+    (layers x kv_heads x (k_dim + v_dim) x the activation dtype's size), what one token of a
+    KV budget costs. Exact for models `forward` batches; for others an estimate from
+    `model.args` (an upper bound where some layers keep no or windowed KV).
+
+    Raises:
+        TypeError: a model whose attention layout is not known here.
+    """
+    base = _base(model)
+    inner = _inner(base)
+    if supports(base):
+        kv_heads, k_dim, v_dim, dtype = _kv_dims(inner, _act_dtype(inner))
+        return len(inner.layers) * kv_heads * (k_dim + v_dim) * dtype.size
+    args = getattr(base, "args", None)
+    try:
+        heads = args.num_attention_heads
+        kv_heads = getattr(args, "num_key_value_heads", None) or heads
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+        layers = args.num_hidden_layers
+        dtype = _act_dtype(inner)
+    except AttributeError as e:
+        raise TypeError(f"{type(base).__name__}: KV layout unknown ({e})") from None
+    return layers * kv_heads * 2 * head_dim * dtype.size
+
+
+def kv_nbytes(model: nn.Module) -> int:
+    """Bytes of KV storage `model`'s requests hold now: its shared slab and the storage of
+    their own (0 before the first request, or for a model `forward` does not batch)."""
+    slab = slab_of(model)
+    return 0 if slab is None else slab.nbytes + sum(s.nbytes for s in list(slab._spawned))
+
+
+def _act_dtype(inner: nn.Module) -> mx.Dtype:
+    emb = inner.embed_tokens  # a quantized embedding computes in its scales' dtype
+    return getattr(emb, "scales", emb.weight).dtype
+
+
+def _kv_dims(inner: nn.Module, dtype: mx.Dtype) -> Dims:
+    a = inner.layers[0].self_attn
+    kv = a.n_kv_heads
+    return kv, a.k_proj.weight.shape[0] // kv, a.v_proj.weight.shape[0] // kv, dtype
 
 
 def untrimmable(cache: list, horizon: int) -> str | None:
@@ -340,23 +532,39 @@ def slab_of(model: nn.Module) -> Slab | None:
 BATCH_ATTENTION_MAX_T = 32
 
 
-def _slab_segments(segments: Sequence[tuple[Sequence[int], list]]) -> Slab | None:
-    """The slab every segment's cache lives in, when they share one and are short enough
-    (and there are several: one request alone takes the per-request path, mlx-lm's own
-    shapes, with no padding or gather to pay for)."""
-    if len(segments) < 2:
-        return None
-    first = segments[0][1]
-    if not first or not isinstance(first[0], SlotCache):
-        return None
-    slab = first[0].slot.slab
-    seen: set[int] = set()
+def _reserve(segments: Sequence[tuple[Sequence[int], list]], dims: Dims) -> None:
+    """Room for every segment's new positions before the pass, so that no slab changes shape
+    during it: a slot that would outgrow its slab's limit moves to storage of its own, and
+    each slab in the pass gives back what its live slots no longer need (`Slab.fit`), then
+    grows to what this pass needs."""
+    ends: dict[int, tuple[Slab, int]] = {}
     for toks, cache in segments:
-        if (len(toks) > BATCH_ATTENTION_MAX_T or not cache or not isinstance(cache[0], SlotCache)
-                or cache[0].slot.slab is not slab or cache[0].slot.i in seen):
-            return None
-        seen.add(cache[0].slot.i)
-    return slab
+        c = cache[0] if cache else None
+        if isinstance(c, SlotCache):
+            c.slot.note(c.offset + len(toks))
+            slab = c.slot.slab
+            end = max(ends.get(id(slab), (slab, 0))[1], c.offset + len(toks))
+            ends[id(slab)] = (slab, end)
+    for slab, end in ends.values():
+        slab.fit()
+        slab.ensure(end, *dims)
+
+
+def _batched(segments: Sequence[tuple[Sequence[int], list]]) -> list[int]:
+    """Indices of the segments that attend in one batched call: the short ones whose caches
+    are slots of one shared slab (one segment per slot). [] when fewer than two: one request
+    alone takes the per-request path, mlx-lm's own shapes, with no padding or gather to pay
+    for. The others (long segments, storage of their own) attend per request."""
+    slab, out, seen = None, [], set()
+    for i, (toks, cache) in enumerate(segments):
+        c = cache[0] if cache else None
+        if not isinstance(c, SlotCache) or c.slot.slab.own or len(toks) > BATCH_ATTENTION_MAX_T:
+            continue
+        slab = slab or c.slot.slab
+        if c.slot.slab is slab and c.slot.i not in seen:
+            seen.add(c.slot.i)
+            out.append(i)
+    return out if len(out) > 1 else []
 
 
 # A group of segments attending in one call costs about this many extra score elements (its
@@ -388,31 +596,51 @@ def _groups(lens: Sequence[int], ends: Sequence[int], n_heads: int) -> list[list
     return groups[::-1]
 
 
-def _attend_slab(inner: nn.Module, h: mx.array, segments, slab: Slab) -> mx.array:
-    """Every layer over all segments: RoPE and the keys/values write over the real rows
-    (each row at its own position), attention in one masked call per group of segments of
-    similar length (`_groups`) over the group's slots. A group's rows are padded to its
-    longest segment (a padded row repeats the segment's last row) and its keys to its
-    furthest end; masking (finfo.min scores, zero weights) keeps each request's result
-    equal to its attention alone on the reference BLAS (`tests/test_batching.py`)."""
-    lens = [len(t) for t, _ in segments]
-    slots = [c[0].slot.i for _, c in segments]
-    offs = [c[0].offset for _, c in segments]
+@dataclass
+class _Plan:
+    """The batched segments' attention, laid out once for every layer (`_plan`)."""
+
+    slab: Slab
+    rows: mx.array | None  # their rows among all the pass's rows (None: every row, in order)
+    pos: mx.array  # (rows,) each row's position
+    writes: mx.array  # flat (slot, head, position) index of each row's keys/values
+    groups: list[tuple[int, int, int, Any, mx.array, mx.array]]
+    where: list[int]  # each segment's first output row
+    n_out: int  # output rows, padding included
+    n_rows: int
+    n_heads: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+
+
+def _plan(inner: nn.Module, segments, batched: Sequence[int]) -> _Plan:
+    """Rows, positions, writes and attention groups (`_groups`) of the batched segments. A
+    group's rows are padded to its longest segment (a padded row repeats the segment's last
+    row) and its keys to its furthest end; masking (finfo.min scores, zero weights) keeps
+    each request's result equal to its attention alone on the reference BLAS."""
+    first = [0]
+    for toks, _ in segments:
+        first.append(first[-1] + len(toks))
+    segs = [segments[i] for i in batched]
+    slab = segs[0][1][0].slot.slab
+    lens = [len(t) for t, _ in segs]
+    slots = [c[0].slot.i for _, c in segs]
+    offs = [c[0].offset for _, c in segs]
     ends = [o + n for o, n in zip(offs, lens)]
     a0 = inner.layers[0].self_attn
     n_heads, kv_heads = a0.n_heads, a0.n_kv_heads
-    k_dim = a0.k_proj.weight.shape[0] // kv_heads
-    v_dim = a0.v_proj.weight.shape[0] // kv_heads
-    slab.ensure(max(ends), kv_heads, k_dim, v_dim, h.dtype)
+    _, k_dim, v_dim, _ = _kv_dims(inner, mx.float32)
     cap = slab.cap
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    n_rows = starts[-1]
+    rows = None if list(batched) == list(range(len(segments))) else \
+        mx.array([first[i] + t for i in batched for t in range(len(segments[i][0]))])
     pos = mx.array([o + t for o, n in zip(offs, lens) for t in range(n)])  # (rows,)
     writes = mx.array([(s * kv_heads + hh) * cap + o + t for s, o, n in zip(slots, offs, lens)
                        for t in range(n) for hh in range(kv_heads)])  # row-major (row, head)
-    plans, where, at = [], [0] * len(lens), 0  # where[i]: segment i's first output row
+    groups, where, at = [], [0] * len(lens), 0  # where[j]: segment j's first output row
     for g in _groups(lens, ends, n_heads):
         tm, span = max(lens[i] for i in g), max(ends[i] for i in g)
         gs = [slots[i] for i in g]
@@ -423,36 +651,36 @@ def _attend_slab(inner: nn.Module, h: mx.array, segments, slab: Slab) -> mx.arra
         mask = mx.array((np.arange(span)[None, None, :] <= qpos[:, :, None])[:, None])
         for j, i in enumerate(g):
             where[i] = at + j * tm
-        plans.append((len(g), tm, span, kv_at, q_rows, mask))
+        groups.append((len(g), tm, span, kv_at, q_rows, mask))
         at += len(g) * tm
-    back = None if len(plans) == 1 and at == n_rows else \
-        mx.array([where[i] + t for i, n in enumerate(lens) for t in range(n)])
-    for li, layer in enumerate(inner.layers):
-        a = layer.self_attn
-        x = layer.input_layernorm(h)
-        q, k, v = a.q_proj(x)[0], a.k_proj(x)[0], a.v_proj(x)[0]  # (rows, *)
-        q = a.rope(q.reshape(n_rows, n_heads, 1, k_dim), offset=pos)
-        k = a.rope(k.reshape(n_rows, kv_heads, 1, k_dim), offset=pos)
-        kf = slab.keys[li].reshape(-1, k_dim)
-        vf = slab.values[li].reshape(-1, v_dim)
-        kf[writes] = k.reshape(-1, k_dim)
-        vf[writes] = v.reshape(-1, v_dim)
-        slab.keys[li] = kf.reshape(-1, kv_heads, cap, k_dim)
-        slab.values[li] = vf.reshape(-1, kv_heads, cap, v_dim)
-        outs = []
-        for nb, tm, span, kv_at, q_rows, mask in plans:
-            qg = q[q_rows].reshape(nb, tm, n_heads, k_dim).transpose(0, 2, 1, 3)
-            keys, values = slab.keys[li][kv_at, :, :span], slab.values[li][kv_at, :, :span]
-            o = mx.fast.scaled_dot_product_attention(qg, keys, values, scale=a.scale,
-                                                     mask=mask)
-            outs.append(o.transpose(0, 2, 1, 3).reshape(nb * tm, -1))
-        o = mx.concatenate(outs) if len(outs) > 1 else outs[0]
-        h = h + a.o_proj((o if back is None else o[back])[None])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    for (toks, cache) in segments:
-        for c in cache:
-            c.offset += len(toks)
-    return h
+    return _Plan(slab, rows, pos, writes, groups, where, at, starts[-1], n_heads, kv_heads,
+                 k_dim, v_dim)
+
+
+def _attend_batched(a: nn.Module, li: int, q: mx.array, k: mx.array, v: mx.array,
+                    p: _Plan) -> mx.array:
+    """Layer `li`'s attention for the batched segments: RoPE and the keys/values write over
+    their real rows (each row at its own position), then one masked call per group over the
+    group's slots. q, k, v: (N, *) projections of every row of the pass. Returns
+    (p.n_out, n_heads * v_dim), padded rows included."""
+    if p.rows is not None:
+        q, k, v = q[p.rows], k[p.rows], v[p.rows]
+    q = a.rope(q.reshape(p.n_rows, p.n_heads, 1, p.k_dim), offset=p.pos)
+    k = a.rope(k.reshape(p.n_rows, p.kv_heads, 1, p.k_dim), offset=p.pos)
+    slab, cap = p.slab, p.slab.cap
+    kf = slab.keys[li].reshape(-1, p.k_dim)
+    vf = slab.values[li].reshape(-1, p.v_dim)
+    kf[p.writes] = k.reshape(-1, p.k_dim)
+    vf[p.writes] = v.reshape(-1, p.v_dim)
+    slab.keys[li] = kf.reshape(-1, p.kv_heads, cap, p.k_dim)
+    slab.values[li] = vf.reshape(-1, p.kv_heads, cap, p.v_dim)
+    outs = []
+    for nb, tm, span, kv_at, q_rows, mask in p.groups:
+        qg = q[q_rows].reshape(nb, tm, p.n_heads, p.k_dim).transpose(0, 2, 1, 3)
+        keys, values = slab.keys[li][kv_at, :, :span], slab.values[li][kv_at, :, :span]
+        o = mx.fast.scaled_dot_product_attention(qg, keys, values, scale=a.scale, mask=mask)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(nb * tm, -1))
+    return mx.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
 from mlx_lm.models import llama as _llama  # noqa: E402

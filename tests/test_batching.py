@@ -140,9 +140,12 @@ def _segments_alone(model, prompt, steps):
     return [np.array(o) for o in outs]
 
 
-def _segments_batched(model, prompt, steps, rng: random.Random):
-    c = ragged.make_cache(model)
-    neighbours = [ragged.make_cache(model) for _ in range(rng.randrange(1, 8))]
+def _segments_batched(model, prompt, steps, rng: random.Random, horizons=(None,)):
+    def cache():  # a slab slot, or storage of its own when the horizon drawn is past the limit
+        return ragged.make_cache(model, rng.choice(horizons) if len(horizons) > 1 else None)
+
+    c = cache()
+    neighbours = [cache() for _ in range(rng.randrange(1, 8))]
     outs = []
     for seg in [prompt, *steps]:
         batch = [([rng.randrange(300, 9000) for _ in range(rng.randrange(1, 9))], nc)
@@ -154,16 +157,17 @@ def _segments_batched(model, prompt, steps, rng: random.Random):
     return [np.array(o) for o in outs]
 
 
-def logits_invariance(model, seed: int = 0, trials: int = 3) -> tuple[int, float]:
+def logits_invariance(model, seed: int = 0, trials: int = 3,
+                      horizons=(None,)) -> tuple[int, float]:
     """Compare a needle's logits alone (mlx-lm's own forward) and inside ragged batches:
-    (rows differing, max |diff|)."""
+    (rows differing, max |diff|). Each cache is made with a horizon drawn from `horizons`."""
     rng = random.Random(seed)
     prompt = [rng.randrange(300, 9000) for _ in range(20)]
     steps = [[rng.randrange(300, 9000) for _ in range(n)] for n in (1, 3, 1, 5, 2)]
     want = _segments_alone(model, prompt, steps)
     rows, worst = 0, 0.0
     for _ in range(trials):
-        got = _segments_batched(model, prompt, steps, rng)
+        got = _segments_batched(model, prompt, steps, rng, horizons)
         for a, b in zip(want, got):
             rows += int((a != b).any(axis=-1).sum())
             worst = max(worst, float(np.abs(a - b).max()))
@@ -176,6 +180,18 @@ def test_ragged_forward_is_bitwise_batch_invariant_on_the_reference_blas(embedde
     rows, worst = logits_invariance(embedded.model)
     tally.NOTES.append(f"ragged forward, embedded model, reference BLAS: {rows} rows differ "
                        f"(max |diff| {worst:g})")
+    assert (rows, worst) == (0, 0.0)
+
+
+def test_ragged_forward_is_bitwise_invariant_next_to_caches_of_their_own(embedded):
+    # Needle and neighbours each a slab slot or storage of its own (a horizon past the
+    # slot limit): a round batches the slab's short rows and runs the others alone, in one
+    # pass; the needle's logits are still mlx-lm's alone, bit for bit.
+    assert blas.active() == "reference"
+    rows, worst = logits_invariance(embedded.model, seed=1, trials=1,
+                                    horizons=(None, 64, 1 << 20))
+    tally.NOTES.append(f"ragged forward, embedded model, slab and own storage: {rows} rows "
+                       f"differ (max |diff| {worst:g})")
     assert (rows, worst) == (0, 0.0)
 
 
