@@ -1,12 +1,13 @@
 """The host-side reference decoder: the independent second opinion every fast path must match.
 
 It calls the model's forward pass as a black box and llguidance for masks, and nothing of
-specdec's masking, sampling or acceptance code: masks are unpacked and samples drawn in
-numpy, from the documented definitions.
+specdec's masking, sampling or acceptance code: masks are unpacked, samples drawn and
+logprobs computed in numpy, from the documented definitions.
 """
 
-from .compare import Divergence, first_divergence, report
+from .compare import (Divergence, LogprobComparison, ServedLogprob, compare_logprobs,
+                      first_divergence, report)
 from .reference import OracleResult, OracleStep, ThinkingRule, reference_decode
 
-__all__ = ["Divergence", "OracleResult", "OracleStep", "ThinkingRule", "first_divergence",
-           "reference_decode", "report"]
+__all__ = ["Divergence", "LogprobComparison", "OracleResult", "OracleStep", "ServedLogprob",
+           "ThinkingRule", "compare_logprobs", "first_divergence", "reference_decode", "report"]

@@ -11,9 +11,12 @@ import numpy as np
 from llguidance import LLMatcher
 from mlx_lm.models.cache import make_prompt_cache
 
-from .sampler import decision_scores, gumbel, unpack_mask
+from .sampler import decision_scores, gumbel, log_probs, top_logprobs, unpack_mask
 
 SPOT_CHECKS = 6  # tokens per step whose mask bit is re-derived with validate_tokens
+# How far below the n-th logprob the oracle still lists tokens (`OracleStep.near_cut`), for
+# a comparison to find a server's near-tie at the cut: above `compare.SHAPE_TOL`.
+NEAR_TIE = 1e-4
 
 
 class OracleError(AssertionError):
@@ -36,12 +39,17 @@ class ThinkingRule:
 
 @dataclass(frozen=True)
 class OracleStep:
-    """One decided position: the pick, the runner-up, and their score margin."""
+    """One decided position: the pick, the runner-up, and their score margin; with logprobs
+    asked for, the pick's logprob, the top n (id, logprob) (value descending, then id), and
+    the further tokens within `NEAR_TIE` of the n-th (`top_logprobs`)."""
 
     token: int
     runner_up: int
     margin: float
     allowed: int  # how many tokens the mask allowed
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+    near_cut: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                      matcher: LLMatcher | None = None, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                      logit_bias: Sequence[tuple[int, float]] = (),
-                     thinking: ThinkingRule | None = None) -> OracleResult:
+                     thinking: ThinkingRule | None = None,
+                     logprobs: int | None = None, cache: list | None = None) -> OracleResult:
     """Decode like the contract says, one forward per token, checking masks as it goes.
 
     Args:
@@ -74,15 +83,24 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         logit_bias: (token id, value) added to the logits before the grammar mask.
         thinking: the thinking budget: while thinking, from output position `budget` on,
             only the end marker's next token is allowed.
+        logprobs: None, or each step's logprob and top `logprobs` alternatives, computed
+            here from the masked, biased logits (`sampler.log_probs`).
+        cache: an mlx-lm prompt cache already holding a proper prefix of the prompt (its
+            `offset` tokens), advanced here (pass a copy to reuse it); None: a fresh one.
     Returns:
-        Tokens, finish reason ("stop" / "length") and per-step margins.
+        Tokens, finish reason ("stop" / "length") and per-step margins (and logprobs).
     Raises:
         OracleError: llguidance's mask and its own validate_tokens disagree, or the grammar
             completed and the mask did not force EOS.
     """
     eos = set(int(e) for e in eos_token_ids)
-    cache = make_prompt_cache(model)
-    out = model(mx.array([list(prompt)], dtype=mx.int32), cache=cache)
+    done = 0
+    if cache is None:
+        cache = make_prompt_cache(model)
+    else:
+        done = cache[0].offset
+        assert done < len(prompt), "the cache must leave the prompt's last token to feed"
+    out = model(mx.array([list(prompt[done:])], dtype=mx.int32), cache=cache)
     logits = _logits_np(out[0, -1])
     rng = np.random.default_rng(12345)  # only chooses which tokens to spot-check
     bitmask = llnp.allocate_token_bitmask(1, vocab_size)
@@ -123,8 +141,13 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         tok = int(np.argmax(scores))
         order = np.argsort(-scores, kind="stable")[:2]
         runner = int(order[1]) if order[0] == tok else int(order[0])
+        lp_fields: dict[str, object] = {}
+        if logprobs is not None:
+            lp = log_probs(x, temperature=temperature)
+            top, near = top_logprobs(lp, logprobs, NEAR_TIE)
+            lp_fields = dict(logprob=float(lp[tok]), top=top, near_cut=near)
         steps.append(OracleStep(tok, runner, float(scores[tok] - scores[runner]),
-                                int(np.isfinite(x).sum())))
+                                int(np.isfinite(x).sum()), **lp_fields))
         if matcher is not None:
             was_stopped = matcher.is_stopped()
             if not matcher.consume_token(tok):

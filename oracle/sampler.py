@@ -62,3 +62,36 @@ def decision_scores(logits: np.ndarray, *, temperature: float, top_k: int, top_p
         x = np.where(x >= order[keep - 1], x, np.float32(-np.inf)).astype(np.float32)
     assert noise is not None
     return (x + noise).astype(np.float32)
+
+
+def log_probs(logits: np.ndarray, *, temperature: float) -> np.ndarray:
+    """The documented logprobs of a position: log_softmax(logits / T), T the temperature (1
+    when greedy), before top-k/top-p. logits (n,) float32, biased, -inf where banned.
+
+    Returns float64 (n,), -inf where banned. The division is float32 (the decision rule's
+    own scaled logits, bit for bit); the softmax is float64, so the values are the exact
+    ones up to float64 rounding and a server's float32 error shows as it is.
+    """
+    t = np.float32(temperature) if temperature > 0 else np.float32(1.0)
+    x = (logits / t).astype(np.float64)
+    m = x[np.isfinite(x)].max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def top_logprobs(lp: np.ndarray, n: int, near: float = 0.0
+                 ) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+    """The n most likely allowed tokens of logprobs lp (n,) as (id, logprob), value
+    descending then id ascending; and after them every further allowed token within `near`
+    of the n-th (a near-tie at the cut: a float32 top-n may list it instead).
+
+    Returns (top, near_cut); fewer than n in `top` when fewer tokens are allowed.
+    """
+    ok = np.flatnonzero(np.isfinite(lp))
+    k = min(n, ok.size)
+    if k == 0:
+        return (), ()
+    kth = np.partition(lp[ok], ok.size - k)[ok.size - k]
+    sel = ok[lp[ok] >= kth - near]
+    sel = sel[np.lexsort((sel, -lp[sel]))]
+    pairs = tuple((int(i), float(lp[i])) for i in sel)
+    return pairs[:k], pairs[k:]
