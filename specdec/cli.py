@@ -98,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-thinking-tokens", type=int, default=1024,
                    help="most tokens a thinking request thinks before its answer when it "
                         "gives no max_thinking_tokens (and at most half its max_tokens)")
+    s.add_argument("--max-kv-tokens", default="auto",
+                   help="most KV positions the decoding requests hold together (prompt + "
+                        "max_tokens + 17 each); more wait, one that cannot fit alone is a 400 "
+                        "('auto': a quarter of the machine's memory; 'none': no bound)")
+    # (defaults: `core.MaskBudget`'s, read after the BLAS choice has loaded MLX)
+    s.add_argument("--grammar-slow-mask", type=float, default=None,
+                   help="seconds (default 0.05): a request whose grammar mask takes longer "
+                        "decodes plainly, its masks filled off the batch's rounds")
+    s.add_argument("--grammar-mask-limit", type=float, default=None,
+                   help="seconds (default 2) one grammar mask may take before its request "
+                        "is stopped (grammar_too_complex)")
+    s.add_argument("--grammar-budget", type=float, default=None,
+                   help="seconds (default 30) of grammar mask work one request may spend "
+                        "in all before it is stopped (grammar_too_complex)")
     _add_spec_args(s)
     for p in sub.choices.values():  # every subcommand runs MLX (`launch`: on its ranks)
         _add_blas_arg(p)
@@ -144,6 +158,7 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
     """Load the target (and draft) named on the command line into an Engine (the target
     sharded over `shard_group` when given; the draft whole on every rank)."""
     from . import load
+    from .core import MaskBudget
     from .engine import Engine, EngineDefaults
     from .speculative import SpecConfig
 
@@ -174,8 +189,23 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
         max_thinking_tokens,
         compile_timeout_s=args.compile_timeout if serving else None,
         chat_template=Path(template).read_text() if template else None)
+    kv: Any = getattr(args, "max_kv_tokens", "auto")
+    if kv not in ("auto", "none"):
+        try:
+            kv = int(kv)
+        except ValueError:
+            raise SystemExit(f"specdec: error: --max-kv-tokens {kv!r}: an integer, 'auto' "
+                             "or 'none'")
+    given = {"slow_s": getattr(args, "grammar_slow_mask", None),
+             "mask_s": getattr(args, "grammar_mask_limit", None),
+             "total_s": getattr(args, "grammar_budget", None)}
+    try:
+        masks = MaskBudget(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        raise SystemExit(f"specdec: error: {e}")
     return Engine(target, draft, spec, jump_forward=not args.no_jump_forward,
-                  draft_max_batch=None if limit == "none" else limit, defaults=defaults)
+                  draft_max_batch=None if limit == "none" else limit, defaults=defaults,
+                  masks=masks, max_kv_tokens=None if kv == "none" else kv)
 
 
 def _constraint(args: argparse.Namespace) -> Any:

@@ -24,7 +24,11 @@ drives rounds for the server.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -35,19 +39,90 @@ from llguidance import LLMatcher
 from . import ragged
 from collections.abc import Generator, Sequence
 
-from .decode import (FinishReason, GrammarStateError, PromptKVCache, TokenId,
-                     check_matcher)
+import llguidance.numpy as llnp
+
+from .decode import (FinishReason, GrammarStateError, GrammarTooComplex, PromptKVCache,
+                     TokenId, check_matcher, grammar_failure)
 from .decode import PREFILL_CHUNK
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex
 from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_noise,
                        unpack_bitmask)
+from .errors import InternalError, SpecdecError
 from .events import TokenLogprob
 from .speculative import SpecConfig, SpecStats, _trim, draft_steps, verify_masks
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
 
+
+
+@dataclass(frozen=True)
+class MaskBudget:
+    """What one request's grammar may cost in host time (llguidance mask fills), so that no
+    grammar holds the requests decoded next to it.
+
+    A request's next mask is filled between rounds, off the round; a round waits for it at
+    most `slow_s` (in all, for every request) and goes on without the requests whose mask is
+    not ready (they sit the round out: their output does not change, only its pace). A
+    request whose one fill took longer than `slow_s` decodes plainly from then on (one mask
+    per token, filled off the round, instead of one per proposal, filled in it).
+
+    Attributes:
+        slow_s: the longest fill a round waits for (and the threshold for plain decoding).
+        mask_s: one fill longer than this stops the request (`GrammarTooComplex`).
+        total_s: the request's fills in all longer than this stop it too.
+    """
+
+    slow_s: float = 0.05
+    mask_s: float = 2.0
+    total_s: float = 30.0
+    in_round: bool = True  # also end a round's proposals at slow_s (not on a sharded target:
+    # its ranks must propose alike, so only the decisions rank 0 publishes use the clock)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.slow_s <= self.mask_s <= self.total_s:
+            raise ValueError(f"mask budget: need 0 < slow_s ({self.slow_s}) <= mask_s "
+                             f"({self.mask_s}) <= total_s ({self.total_s})")
+
+
+def _low_priority() -> None:
+    """A worker thread's nice value raised (Linux: per thread), so that on a machine whose
+    cores the forward needs, a slow grammar's fills take what the forward leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not per thread here (macOS): left as it is
+        pass
+
+
+# Masks filled between rounds: a request's fills go to `_FILLS` until one is slow, then to
+# `_SLOW_FILLS` (low priority). A fill cannot be interrupted: one whose request was stopped
+# runs on and its row is dropped, so there are more workers than requests in a batch.
+_FILLS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="specdec-mask")
+_SLOW_FILLS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="specdec-slow-mask",
+                                 initializer=_low_priority)
+
+
+@dataclass(frozen=True)
+class NextMask:
+    """A request's mask at its current state, filled off the round: the packed row, its
+    fill time, and the matcher's error text when the fill put it in an error state."""
+
+    row: np.ndarray
+    seconds: float
+    error: str | None = None
+
+
+def _fill_next(matcher: LLMatcher, vocab_size: int) -> NextMask:
+    """(on a `_FILLS` worker, on the caller's own copy of the matcher)"""
+    row = llnp.allocate_token_bitmask(1, vocab_size)
+    t0 = time.perf_counter()
+    try:
+        llnp.fill_next_token_bitmask(matcher, row, 0)
+        error = matcher.get_error() if matcher.is_error() else None
+    except Exception as e:  # reported as the matcher's error: the request fails, not the round
+        error = f"mask fill failed: {e}"
+    return NextMask(row[0], time.perf_counter() - t0, error)
 
 
 @dataclass(frozen=True)
@@ -69,6 +144,7 @@ class Models:
     draft: nn.Module | None = None
     draft_vocab_size: int = 0
     draft_max_batch: int | None = None
+    masks: MaskBudget = MaskBudget()
 
 
 @dataclass(eq=False)
@@ -82,7 +158,9 @@ class DecodeState:
         seq: prompt + emitted tokens; emitted: how many were emitted.
         new_tokens: what the last round emitted (the caller drains it).
         finish: set when the request is done ("stop" or "length"); error: the
-            GrammarStateError that ended it (nothing past it is emitted).
+            grammar error that ended it (nothing past it is emitted).
+        next_mask: the mask at the matcher's current state, filling off the round
+            (`MaskBudget`); started: when that fill was asked for (perf_counter).
     """
 
     prompt: tuple[TokenId, ...]
@@ -103,7 +181,10 @@ class DecodeState:
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
     finish: FinishReason | None = None
-    error: GrammarStateError | None = None
+    error: SpecdecError | None = None
+    next_mask: Future | None = None
+    started: float = 0.0
+    slow_masks: bool = False  # one fill was slow: decoded plainly, fills at low priority
 
     @property
     def done(self) -> bool:
@@ -112,6 +193,25 @@ class DecodeState:
     def release(self) -> None:
         """Drop the caches (a finished request gives its slab slots back)."""
         self.t_cache, self.d_cache = [], []
+        self.next_mask = None
+
+    def ask_next_mask(self, vocab_size: int) -> None:
+        """Start filling the mask at the matcher's current state, off the round."""
+        if self.matcher is not None and not self.done:
+            self.started = time.perf_counter()
+            pool = _SLOW_FILLS if self.slow_masks else _FILLS
+            self.next_mask = pool.submit(_fill_next, self.matcher.deep_copy(), vocab_size)
+
+    def take_next_mask(self) -> NextMask | None:
+        """The mask at the matcher's current state, waiting for its fill (None when none
+        was asked for); its time counts in the request's stats."""
+        if self.next_mask is None:
+            return None
+        m: NextMask = self.next_mask.result()
+        self.next_mask = None
+        self.stats.mask_s += m.seconds
+        self.stats.mask_max_s = max(self.stats.mask_max_s, m.seconds)
+        return m
 
     @property
     def ready(self) -> bool:
@@ -142,18 +242,20 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     if matcher is not None:
         check_matcher(matcher, 0)
     stats = stats if stats is not None else SpecStats()
-    t_cache = ragged.make_cache(models.target)
+    # The most positions it can hold: a slab slot, or storage of its own when that is more
+    # than a slot holds (`ragged.SLOT_POSITIONS`), so one long request sizes no other's.
+    horizon = len(prompt) + max_tokens + (spec.cheap_k + 1 if spec is not None else 1)
+    t_cache = ragged.make_cache(models.target, horizon)
     d_cache: list = []
     if spec is not None:
         # Speculation needs caches that drop rejected proposals exactly; where one cannot,
         # the request decodes plainly (or without the draft model), and says why.
-        horizon = len(prompt) + max_tokens + spec.cheap_k + 1
         why = ragged.untrimmable(t_cache, horizon)
         if why is not None:
             stats.spec_off = f"plain decoding: target {why}"
             spec = None
         elif models.draft is not None:
-            d_cache = ragged.make_cache(models.draft)
+            d_cache = ragged.make_cache(models.draft, horizon)
             why = ragged.untrimmable(d_cache, horizon)
             if why is not None:
                 stats.spec_off = f"no draft model: draft {why}"
@@ -169,6 +271,7 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if spec is not None and spec.lookup:
         s.index = NgramIndex(s.seq)
+    s.ask_next_mask(models.vocab_size)  # fills while the prompt is prefilled
     return s
 
 
@@ -233,6 +336,62 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
                 kv_store.store(models.draft, head, s.d_cache)
 
 
+@dataclass(frozen=True)
+class MaskVerdicts:
+    """What the grammar budget says before a round (`mask_decisions`): the requests that sit
+    it out, those that decode plainly from now on, and those stopped (with their errors)."""
+
+    idle: tuple[DecodeState, ...] = ()
+    plain: tuple[DecodeState, ...] = ()
+    over: tuple[tuple[DecodeState, GrammarTooComplex], ...] = ()
+
+
+def mask_decisions(budget: MaskBudget, states: Sequence[DecodeState]) -> MaskVerdicts:
+    """Apply the grammar budget to the ready requests of the next round: wait (at most
+    `budget.slow_s`, for fills that started less than that ago) for their next masks; a
+    request whose mask is still filling sits the round out, one whose slowest fill since the
+    last call took over `slow_s` decodes plainly, one over `mask_s` or `total_s` is stopped.
+    Time-dependent: a sharded target's rank 0 decides and the others apply (`Decisions`)."""
+    now = time.perf_counter()
+    young = [s.next_mask for s in states if s.next_mask is not None
+             and not s.next_mask.done() and now - s.started < budget.slow_s]
+    if young:
+        wait_futures(young, timeout=budget.slow_s - min(now - s.started for s in states
+                                                         if s.next_mask in young))
+    now = time.perf_counter()
+    idle, plain, over = [], [], []
+    for s in states:
+        f = s.next_mask
+        if f is not None and not f.done():
+            if now - s.started > budget.mask_s:
+                over.append((s, GrammarTooComplex(f"one mask took over {budget.mask_s:g}s",
+                                                  position=s.emitted)))
+            else:
+                idle.append(s)
+            continue
+        done = f.result().seconds if f is not None else 0.0
+        worst, total = max(s.stats.mask_max_s, done), s.stats.mask_s + done
+        s.stats.mask_max_s = 0.0
+        if worst > budget.mask_s:
+            over.append((s, GrammarTooComplex(f"one mask took {worst:.2f}s (at most "
+                                              f"{budget.mask_s:g}s)", position=s.emitted)))
+        elif total > budget.total_s:
+            over.append((s, GrammarTooComplex(f"its masks took {total:.1f}s in all (at most "
+                                              f"{budget.total_s:g}s)", position=s.emitted)))
+        elif worst > budget.slow_s and not s.slow_masks:
+            plain.append(s)
+    return MaskVerdicts(tuple(idle), tuple(plain), tuple(over))
+
+
+def decode_plainly(s: DecodeState, why: str) -> None:
+    """From now on the request proposes nothing (its output does not change: plain decoding
+    emits what speculation does); its draft cache is dropped."""
+    if s.spec is not None:
+        s.spec, s.index, s.d_cache = None, None, []
+        s.stats.spec_off = why
+    s.slow_masks = True
+
+
 def run_round(models: Models, states: Sequence[DecodeState]) -> None:
     """One round over every ready state (see the module docstring). A request's grammar
     error ends that request only (`state.error`); the others carry on."""
@@ -240,12 +399,30 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.new_tokens = []  # what this round emits (nothing for a finished request)
         s.new_logprobs = []
     live = [s for s in states if s.ready]
+    # 0. Each request's mask at its current state, filled between rounds (`MaskBudget`).
+    rows: dict[int, np.ndarray] = {}
+    for s in live:
+        m = s.take_next_mask()
+        if m is not None and m.error is not None:
+            s.error = grammar_failure("grammar error while masking", detail=m.error,
+                                      position=s.emitted)
+        elif m is not None:
+            rows[id(s)] = m.row
+    live = [s for s in live if s.error is None]
     if not live:
         return
     for s in live:
         s.stats.rounds += s.spec is not None
+        s.stats.round_mask_s = 0.0
+    in_round = models.masks.slow_s if models.masks.in_round else None
     # 1. Propose: every request's proposers in lock-step, one batched draft forward per step.
-    props, sources, feds = _propose_all(models, live)
+    props, sources, feds = _propose_all(models, live, rows, in_round)
+    if any(s.error is not None for s in live):  # a request's proposer failed: it leaves
+        keep = [i for i, s in enumerate(live) if s.error is None]
+        live = [live[i] for i in keep]
+        props, sources, feds = ([x[i] for i in keep] for x in (props, sources, feds))
+        if not live:
+            return
     # 2. Verify forward, queued; the host fills the mask rows meanwhile.
     t0 = time.perf_counter()
     segments = [([s.seq[-1], *p], s.t_cache) for s, p in zip(live, props)]
@@ -257,15 +434,12 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         masks.append(None)
         if s.matcher is None:
             continue
-        tm = time.perf_counter()
         try:
             bitmask, n_ok = verify_masks(s.matcher, props[i], s.eos, models.vocab_size,
-                                         s.emitted)
-        except GrammarStateError as e:
+                                         s.emitted, rows.get(id(s)), s.stats, in_round)
+        except (GrammarStateError, GrammarTooComplex) as e:
             s.error = e
             continue
-        finally:
-            s.stats.mask_s += time.perf_counter() - tm
         if n_ok < len(props[i]):
             s.stats.grammar_cuts += 1
             props[i], sources[i] = props[i][:n_ok], sources[i][:n_ok]
@@ -301,8 +475,26 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.verify_s += verify_s
         s.stats.steps += 1
         if s.error is None:
-            _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i],
-                    lps.get(i))
+            try:
+                _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i],
+                        lps.get(i))
+            except Exception as e:  # this request's fault, not the round's
+                log.exception("accepting a request's tokens failed")
+                s.error = InternalError(f"accepting the round's tokens failed: {e}")
+        s.ask_next_mask(models.vocab_size)  # fills while the others' rounds go on
+
+
+def _logsumexp(x: mx.array, block: int = 256) -> mx.array:
+    """log(sum(exp(x))) over the last axis, keepdims: summed in blocks of `block` and then
+    over the blocks, so a float32 sum over a whole vocabulary keeps its small terms (one
+    flat float32 reduction on the CPU was measured 1.5e-4 off on a 49k row)."""
+    m = mx.max(x, axis=-1, keepdims=True)
+    e = mx.exp(x - m)  # (rows, V); masked -inf entries are 0
+    pad = -e.shape[-1] % block
+    if pad:
+        e = mx.concatenate([e, mx.zeros((*e.shape[:-1], pad), e.dtype)], axis=-1)
+    total = e.reshape(*e.shape[:-1], -1, block).sum(axis=-1).sum(axis=-1, keepdims=True)
+    return m + mx.log(total)
 
 
 def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
@@ -311,7 +503,7 @@ def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
     logits x (rows, V): log_softmax(x / T) with T the temperature (1 when greedy)."""
     t = 1.0 if params.greedy else params.temperature
     lp = x / mx.array(t, dtype=mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    lp = lp - _logsumexp(lp)
     chosen = mx.take_along_axis(lp, picks[:, None].astype(mx.int32), axis=-1)[:, 0]
     if n <= 0:
         return (chosen,)
@@ -322,11 +514,15 @@ def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
             mx.take_along_axis(vals, order, axis=-1))
 
 
-def _propose_all(models: Models, live: Sequence[DecodeState]
+def _propose_all(models: Models, live: Sequence[DecodeState],
+                 rows: dict[int, np.ndarray] | None = None, budget_s: float | None = None
                  ) -> tuple[list[list[TokenId]], list[list[str]], list[int]]:
     """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
     forwards they ask for at the same step run as one ragged forward, and their picks are
-    evaluated with one sync per step. Returns (proposals, sources, fed) per request."""
+    evaluated with one sync per step. Returns (proposals, sources, fed) per request; a
+    request whose proposer raised proposes nothing and gets its `error`. `rows`: each
+    request's mask at its current state (by `id` of its state), where filled already."""
+    rows = rows or {}
     t0 = time.perf_counter()
     out: list[tuple[list[TokenId], list[str], int]] = [([], [], 0)] * len(live)
     gens: dict[int, Generator] = {}
@@ -350,7 +546,8 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
                               models.draft_vocab_size if draft is not None
                               else models.vocab_size, s.emitted, s.index,
                               run_on=len(live) == 1,
-                              space=getattr(models.draft, "space", None))
+                              space=getattr(models.draft, "space", None),
+                              row0=rows.get(id(s)), budget_s=budget_s)
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:
@@ -359,6 +556,10 @@ def _propose_all(models: Models, live: Sequence[DecodeState]
                 asks[i] = gens[i].send(replies[i])
             except StopIteration as done:
                 out[i] = done.value
+                del gens[i]
+            except Exception as e:  # this request's fault, not the round's
+                log.exception("a request's proposer failed")
+                live[i].error = InternalError(f"proposing tokens failed: {e}")
                 del gens[i]
         replies = {i: None for i in gens}
         fwd = [i for i in gens if asks[i][0] == "forward"]
@@ -399,7 +600,7 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
             s.matcher.consume_token(t)
             try:
                 check_matcher(s.matcher, s.emitted)
-            except GrammarStateError as e:
+            except (GrammarStateError, GrammarTooComplex) as e:
                 s.error = e
                 return
         if t in s.eos:

@@ -45,19 +45,58 @@ class GrammarStateError(SpecdecError, RuntimeError):
         self.detail = detail
 
 
+class GrammarTooComplex(SpecdecError):
+    """The request's grammar costs more than its budget (`core.MaskBudget`), or it reached
+    one of llguidance's parser limits (`grammar.PARSER_LIMITS`): the request is stopped and
+    nothing past that point is emitted. The client's grammar, not our fault: a 4xx.
+
+    Attributes:
+        position: output tokens emitted before the stop.
+    """
+
+    code = "grammar_too_complex"
+
+    def __init__(self, reason: str, *, position: int | None = None,
+                 param: str = "constraint") -> None:
+        where = f" at output token {position}" if position is not None else ""
+        super().__init__(f"the grammar is too costly to follow: {reason}{where}; simplify it "
+                         "(fewer ambiguous or nested rules)", param=param)
+        self.position = position
+
+
+# llguidance reports its parser limits only as text (no error kinds): these are its messages
+# for them (its lexer fuel, Earley items per row, lexer states, grammar size).
+LIMIT_MESSAGES = ("items; max is", "Too many items", "fuel exhausted", "lex fuel", "relevance check fuel",
+                  "lexer configuration (grammar) too big", "too many expressions constructed")
+
+
+def grammar_failure(reason: str, *, detail: str, position: int | None
+                    ) -> "GrammarStateError | GrammarTooComplex":
+    """The error for a matcher that entered its error state: one of llguidance's parser
+    limits is the grammar's cost (`GrammarTooComplex`); anything else is a fault of ours."""
+    first = detail.strip().splitlines()[0] if detail.strip() else ""
+    if any(m in first for m in LIMIT_MESSAGES):
+        return GrammarTooComplex(first.split("<state>")[0].strip()[:200], position=position)
+    return GrammarStateError(reason, position=position, detail=detail)
+
+
 @dataclass
 class StepTimings:
     """Accumulated host-side timings of one decode (seconds). Mutable accumulator.
 
     Attributes:
         prefill_s: prompt forward, until its logits were ready.
-        mask_s: llguidance mask fill on the host (overlaps the device forward).
+        mask_s: llguidance mask fills on the host, every one (drafting, verifying, and
+            the next position's mask filled between rounds).
+        mask_max_s: the slowest one fill since the scheduler last looked (`core`'s budget).
         wait_s: host blocked waiting for the device to produce the sampled token.
         steps: decode steps run.
     """
 
     prefill_s: float = 0.0
     mask_s: float = 0.0
+    mask_max_s: float = 0.0
+    round_mask_s: float = 0.0  # fills in the current round (its budget: `core.MaskBudget`)
     wait_s: float = 0.0
     steps: int = 0
 
@@ -166,5 +205,5 @@ def check_matcher(matcher: LLMatcher, position: int | None = None) -> None:
         position: output tokens emitted so far (reported in the error).
     """
     if matcher.is_error():
-        raise GrammarStateError("grammar entered an error state", position=position,
-                                detail=matcher.get_error())
+        raise grammar_failure("grammar entered an error state", position=position,
+                              detail=matcher.get_error())

@@ -98,6 +98,7 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
     rank 0 stopped; EXIT_LOST_RANK: the group lost a rank)."""
     from .scheduler import Scheduler, Ticket
 
+    engine.masks = replace(engine.masks, in_round=False)  # propose as rank 0 does
     sched = Scheduler(engine.models, engine.new_state, max_batch=max_batch, max_queue=0,
                       chunk=chunk, kv_store=engine.kv_store, thread=False)
     tickets: dict[int, Ticket] = {}
@@ -114,10 +115,11 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
             t = Ticket(req, engine.output(req, lambda ev: None), key=key)
             tickets[key] = t
             sched.admit(t)
-        late = [tickets[k] for k in d.late if k in tickets]
-        gone = [tickets[k] for k in d.gone if k in tickets]
+        late, gone, idle, plain = ([tickets[k] for k in keys if k in tickets]
+                                   for keys in (d.late, d.gone, d.idle, d.plain))
+        over = [(tickets[k], e) for k, e in d.over if k in tickets]
         try:
-            sched.replay(late, gone)
+            sched.replay(late, gone, idle, plain, over)
         except Exception as e:
             log.error("rank %d: round failed: %s", channel.rank, e)
             return EXIT_LOST_RANK

@@ -15,6 +15,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import json
+import os
 import secrets
 import threading
 import weakref
@@ -22,8 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import mlx.core as mx
+
 from .chat import NO_THINK_KWARGS, ChatTemplateError, render_chat, render_thinking
-from .core import DecodeState, Models, new_state
+from .core import DecodeState, MaskBudget, Models, new_state
 from .decode import PromptKVCache, TokenId
 from .errors import RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
@@ -34,7 +37,7 @@ from .output import Output
 from .reasoning import Thinking, marker_ids
 from .request import GenerateRequest, Message, NamedTool, Tool
 from .sampling import SamplingParams
-from .scheduler import Decisions, Scheduler, Ticket
+from .scheduler import Decisions, Scheduler, Ticket, kv_positions
 from .speculative import DraftConfigError, SpecConfig
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
                     json_calls_schema, tools_grammar)
@@ -145,6 +148,12 @@ class Engine:
             requests would draft (`core.Models.draft_max_batch`); "auto": 4 on the CPU
             backend (measured crossover there), no limit on a GPU; None: no limit.
         defaults: what requests get for the fields they leave out (`EngineDefaults`).
+        masks: what one request's grammar may cost (`core.MaskBudget`).
+        parser_limits: llguidance's parser limits, by name, over `grammar.PARSER_LIMITS`.
+        max_kv_tokens: most KV positions the decoding requests hold together (the
+            scheduler's admission: `scheduler.kv_positions`); a request that cannot fit even
+            alone is a 400. "auto": a quarter of the machine's memory (`kv_budget`); None:
+            no bound.
     Raises:
         DraftConfigError: an incompatible draft.
     """
@@ -152,7 +161,10 @@ class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
                  spec: SpecConfig = SpecConfig(), jump_forward: bool = True,
                  draft_max_batch: int | None | Literal["auto"] = "auto",
-                 defaults: EngineDefaults = EngineDefaults()) -> None:
+                 defaults: EngineDefaults = EngineDefaults(),
+                 masks: MaskBudget = MaskBudget(),
+                 parser_limits: dict[str, int] | None = None,
+                 max_kv_tokens: int | None | Literal["auto"] = "auto") -> None:
         if draft is not None:
             check_draft(target, draft)
         if draft_max_batch == "auto":
@@ -167,14 +179,22 @@ class Engine:
         self.default_spec = spec
         self.jump_forward = jump_forward
         self.defaults = defaults
+        self.masks = masks
         self.kv_store = PromptKVCache()
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="specdec-compile")
         self.compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
-            eos_token_ids=list(target.eos_token_ids))
+            eos_token_ids=list(target.eos_token_ids), limits=parser_limits)
         ctx = target.config.get("max_position_embeddings") or 2048
         self.context_length = int(ctx)
+        if max_kv_tokens == "auto":
+            max_kv_tokens = kv_budget(target, draft, self.context_length)
+        if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int)
+                                          or max_kv_tokens < 1):
+            raise RequestError(f"max_kv_tokens={max_kv_tokens!r}: must be an integer >= 1 "
+                               "or None", param="max_kv_tokens")
+        self.max_kv_tokens = max_kv_tokens
         self._scheduler: Scheduler | None = None  # a thread of its own (`start`)
         self._inline: Scheduler | None = None  # driven by whoever iterates its streams
         self._lock = threading.Lock()
@@ -219,9 +239,12 @@ class Engine:
                                "the threads that iterate them; finish them first")
         self.request_timeout_s = request_timeout_s
         self._replicas = publish is not None
+        if self._replicas:  # ranks propose alike: no in-round use of the clock
+            self.masks = dataclasses.replace(self.masks, in_round=False)
         self._scheduler = Scheduler(self.models, self.new_state, max_batch=max_batch,
                                     max_queue=max_queue, kv_store=self.kv_store,
-                                    publish=publish, on_fatal=on_fatal)
+                                    publish=publish, on_fatal=on_fatal,
+                                    max_kv_tokens=self.max_kv_tokens)
         ref = weakref.ref(self)
         atexit.register(lambda: (e := ref()) is not None and e.close())
         return self._scheduler
@@ -433,7 +456,10 @@ class Engine:
             constraint, calls = self._tools_constraint(r, tools, fmt)
         max_tokens = r.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, min(self.defaults.max_tokens, self.context_length - len(ids)))
+            room = self.context_length - len(ids)
+            if self.max_kv_tokens is not None:
+                room = min(room, self.max_kv_tokens - kv_positions(_Sized(len(ids), 0)))
+            max_tokens = max(1, min(self.defaults.max_tokens, room))
         if thinking is not None:
             budget = r.thinking_budget
             if budget is None:
@@ -584,6 +610,12 @@ class Engine:
                                f"context length {self.context_length} (at most "
                                f"{self.context_length - n})", param="max_tokens",
                                code="context_length_exceeded")
+        need = kv_positions(_Sized(n, max_tokens))
+        if self.max_kv_tokens is not None and need > self.max_kv_tokens:
+            raise RequestError(f"a {n}-token prompt with max_tokens={max_tokens} needs {need} "
+                               f"KV positions; this server holds at most {self.max_kv_tokens} "
+                               "(--max-kv-tokens)", param="max_tokens",
+                               code="kv_budget_exceeded")
         bad = [t for t in prompt_ids if not (0 <= int(t) < self.target.vocab_size)]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside [0, "
@@ -648,13 +680,45 @@ class Engine:
         """The models requests decode with (for `core` and the scheduler)."""
         d = self.draft
         return Models(self.target.model, self.target.vocab_size, d.model if d else None,
-                      d.vocab_size if d else 0, self.draft_max_batch)
+                      d.vocab_size if d else 0, self.draft_max_batch, self.masks)
 
     def new_state(self, req: Request) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
         return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
                          eos_token_ids=self.target.eos_token_ids, params=req.sampling,
                          spec=req.spec, matcher=self.matcher(req), logprobs=req.logprobs)
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """What `scheduler.kv_positions` reads of a request, before there is one."""
+
+    n: int
+    max_tokens: int
+
+    @property
+    def prompt_ids(self) -> range:
+        return range(self.n)
+
+
+KV_MEMORY_SHARE = 0.25  # of the machine's memory (a GPU's working set), for "auto"
+
+
+def kv_budget(target: LoadedModel, draft: LoadedModel | None, context_length: int) -> int:
+    """The default KV budget (positions): a quarter of the memory MLX may use, over the
+    target's (and the draft's) KV bytes per position; at least one full-context request."""
+    from .ragged import kv_bytes_per_position
+
+    per = kv_bytes_per_position(target.model) + (
+        kv_bytes_per_position(draft.model) if draft is not None and draft is not target else 0)
+    try:
+        memory = int(mx.metal.device_info()["max_recommended_working_set_size"]) \
+            if gpu_backend() and mx.metal.is_available() else \
+            os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, KeyError, OSError, ValueError):
+        memory = 16 << 30
+    return max(int(memory * KV_MEMORY_SHARE) // max(1, per),
+               kv_positions(_Sized(context_length, 0)))
 
 
 ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a constraint

@@ -37,6 +37,14 @@ JSON_DEFAULTS: dict[str, Any] = {
 }
 
 
+# llguidance's parser limits, set here rather than left implicit (its defaults, measured
+# enough for every schema in tests/corpus): they bound the work of one Earley step and one
+# mask; the mask time a request may spend is bounded separately (`core.MaskBudget`).
+PARSER_LIMITS = dict(max_items_in_row=2000, step_max_items=50_000, step_lexer_fuel=200_000,
+                     initial_lexer_fuel=1_000_000, max_lexer_states=250_000,
+                     max_grammar_size=500_000)
+
+
 class GrammarError(RequestError):
     """A constraint that cannot be compiled; the message names the offending value.
 
@@ -184,8 +192,10 @@ class GrammarCompiler:
     Thread-safe: the cache is guarded; compilation itself runs outside the lock.
     """
 
-    def __init__(self, tokenizer: LLTokenizer, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: LLTokenizer, cache_size: int = 256,
+                 limits: dict[str, int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.limits = dict(PARSER_LIMITS, **(limits or {}))
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -193,8 +203,8 @@ class GrammarCompiler:
         self.misses = 0
 
     @staticmethod
-    def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
-                         ) -> "GrammarCompiler":
+    def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int],
+                         limits: dict[str, int] | None = None) -> "GrammarCompiler":
         """Build the (expensive, ~0.5 s) LLTokenizer from a Hugging Face fast tokenizer.
 
         Args:
@@ -203,10 +213,11 @@ class GrammarCompiler:
                 the extra ids are never allowed).
             eos_token_ids: every id that ends the output; all are allowed where the grammar
                 may end.
+            limits: llguidance parser limits replacing `PARSER_LIMITS`' (by name).
         """
         llt = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
                                            eos_token=list(eos_token_ids))
-        return GrammarCompiler(llt)
+        return GrammarCompiler(llt, limits=limits)
 
     def compile(self, c: Constraint, thinking: Thinking | None = None) -> CompiledGrammar:
         """Compile (or fetch from cache) a constraint, after a think block when `thinking`.
@@ -223,10 +234,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(text)
                 self.hits += 1
                 return hit
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+        limits = llguidance.LLParserLimits(**self.limits)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer,
+                                                                      limits=limits)
         if is_error:
             raise GrammarError(c.kind, "; ".join(messages) or "rejected by the compiler")
-        template = LLMatcher(self.tokenizer, text, log_level=0)
+        template = LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
         if template.is_error():
             raise GrammarError(c.kind, template.get_error())
         # A grammar can compile and still match nothing (regex `[^\s\S]`): its first mask is

@@ -17,13 +17,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from .core import DecodeState, prefill_arrivals, run_round
+from . import ragged
+from .core import (DecodeState, decode_plainly, mask_decisions, prefill_arrivals,
+                   run_round)
 from .errors import InternalError, SpecdecError
 
 log = logging.getLogger("specdec.scheduler")
@@ -81,14 +83,28 @@ class Ticket:
         return self.timeout_s is not None and now - self.t0 > self.timeout_s
 
 
+def kv_positions(request: Any) -> int:
+    """The most KV positions a request can hold: its prompt, its output and one round's
+    proposals (what admission counts against `max_kv_tokens`)."""
+    from .speculative import MAX_DRAFT_TOKENS
+
+    prompt = getattr(request, "prompt_ids", ())
+    return len(prompt) + int(getattr(request, "max_tokens", 0)) + MAX_DRAFT_TOKENS + 1
+
+
 @dataclass(frozen=True)
 class Decisions:
     """A round's decisions that depend on time and clients, not on the requests: which
-    waiting requests join (key, request), which end late, which were cancelled; or stop."""
+    waiting requests join (key, request), which end late, which were cancelled; which sit
+    the round out (their next mask is still filling), which decode plainly from now on and
+    which are stopped for their grammar's cost (key, error: `core.mask_decisions`); or stop."""
 
     admit: tuple[tuple[int, Any], ...] = ()
     late: tuple[int, ...] = ()
     gone: tuple[int, ...] = ()
+    idle: tuple[int, ...] = ()
+    plain: tuple[int, ...] = ()
+    over: tuple[tuple[int, SpecdecError], ...] = ()
     stop: bool = False
 
 
@@ -119,18 +135,21 @@ class Scheduler:
             replicas apply them to replay the round in lockstep (`distributed`). An
             exception in a published round is fatal: every request fails, `on_fatal` runs.
         thread: run the loop on a thread of its own (False: the caller drives `replay`).
+        max_kv_tokens: most KV positions the decoding requests may hold together (each
+            counts its prompt, max_tokens and a round's proposals: `kv_positions`); a
+            request that would exceed it waits until others leave (None: no bound).
     """
 
     def __init__(self, models: Any, start: Callable[[Any], DecodeState], max_batch: int = 8,
                  max_queue: int = 64, chunk: int = 512, kv_store: Any = None,
                  publish: Callable[[Decisions], None] | None = None,
                  on_fatal: Callable[[Exception], None] | None = None,
-                 thread: bool = True) -> None:
+                 thread: bool = True, max_kv_tokens: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch={max_batch} must be >= 1, max_queue={max_queue} >= 0")
         self.models, self.start, self.max_batch, self.max_queue = (models, start, max_batch,
                                                                    max_queue)
-        self.chunk, self.kv_store = chunk, kv_store
+        self.chunk, self.kv_store, self.max_kv_tokens = chunk, kv_store, max_kv_tokens
         self.publish, self.on_fatal = publish, on_fatal
         self.fatal: Exception | None = None
         self.round_started: float | None = None  # perf_counter at the current round's start
@@ -198,9 +217,20 @@ class Scheduler:
             thread.join(wait_s)
 
     # -- the loop ----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler can serve: no fatal error, and its thread (when it has one)
+        is running."""
+        thread = getattr(self, "_thread", None)
+        return self.fatal is None and (thread is None or thread.is_alive() or self._stop)
+
     def _loop(self) -> None:
         try:
             self._rounds()
+        except BaseException as e:  # a fault outside any round's own handling: say so
+            log.critical("the scheduler thread stopped on an internal fault; every request "
+                         "now fails with 503 until the server is restarted", exc_info=True)
+            self._dead(e)
         finally:
             # MLX keeps per-thread streams and a compile cache; released any later (at thread
             # exit, while the interpreter may be finalizing) they abort the process. MLX asks
@@ -233,7 +263,13 @@ class Scheduler:
         cannot go on (a sharded target's round failed, or it was aborted)."""
         with self._cv:
             admitted = []
+            used = sum(kv_positions(t.request) for t in self._active)
             while self._waiting and len(self._active) < self.max_batch:
+                need = kv_positions(self._waiting[0].request)
+                if (self.max_kv_tokens is not None and self._active
+                        and used + need > self.max_kv_tokens):
+                    break  # it waits (in order) until enough of the others have left
+                used += need
                 admitted.append(self._waiting.popleft())
                 self._active.append(admitted[-1])
         try:
@@ -261,6 +297,21 @@ class Scheduler:
     def _publish(self, d: Decisions) -> None:
         assert self.publish is not None
         self.publish(d)
+
+    def _dead(self, e: BaseException) -> None:
+        """The loop itself failed: every request in hand and every later one fails at once
+        (the clients are told the server cannot serve, not the fault's text)."""
+        err = SchedulerStopped("the engine stopped after an internal fault; see the server "
+                               "log")
+        with self._cv:
+            if self.fatal is None:
+                self.fatal = err
+            tickets = [*self._active, *self._waiting]
+            self._active, self._waiting = [], deque()
+        for t in tickets:
+            if t.state is not None:
+                t.state.release()
+            t.output.fail(err)
 
     def _die(self, e: Exception) -> None:
         """A published round failed (a replica lost, say): fail every request, accept no
@@ -300,21 +351,38 @@ class Scheduler:
     def _step(self, admitted: list[Ticket] = ()) -> None:  # type: ignore[assignment]
         late = self._late()
         gone = [t for t in self._active if t.cancelled.is_set() and t not in late]
+        ready = {id(t.state): t for t in self._active if t.state is not None
+                 and t.state.ready and t not in late and t not in gone}
+        v = mask_decisions(self.models.masks, [t.state for t in ready.values()])
+        idle, plain = [ready[id(s)] for s in v.idle], [ready[id(s)] for s in v.plain]
+        over = [(ready[id(s)], e) for s, e in v.over]
         if self.publish is not None:
             self._publish(Decisions(admit=tuple((t.key, t.replica) for t in admitted),
                                     late=tuple(t.key for t in late),
-                                    gone=tuple(t.key for t in gone)))
-        self.replay(late, gone)
+                                    gone=tuple(t.key for t in gone),
+                                    idle=tuple(t.key for t in idle),
+                                    plain=tuple(t.key for t in plain),
+                                    over=tuple((t.key, e) for t, e in over)))
+        self.replay(late, gone, idle, plain, over)
 
     def admit(self, ticket: Ticket) -> None:
         """Make a ticket active now (a replica admitting what the leader admitted)."""
         self._active.append(ticket)
 
-    def replay(self, late: list[Ticket], gone: list[Ticket]) -> None:
+    def replay(self, late: list[Ticket], gone: list[Ticket], idle: Sequence[Ticket] = (),
+               plain: Sequence[Ticket] = (),
+               over: Sequence[tuple[Ticket, SpecdecError]] = ()) -> None:
         """Run one round given its decisions: `late` requests end with DeadlineExceeded,
-        `gone` ones (their clients left) are dropped; everything else in the round follows
-        from the requests themselves, so replicas that apply the same decisions run the same
-        forwards."""
+        `gone` ones (their clients left) are dropped, `over` ones end with their grammar
+        budget's error, `plain` ones decode plainly from now on, `idle` ones sit the round
+        out; everything else in the round follows from the requests themselves, so replicas
+        that apply the same decisions run the same forwards."""
+        for t, e in over:
+            if t in self._active:
+                self._finish(t, error=e)
+        for t in plain:
+            if t.state is not None:
+                decode_plainly(t.state, "plain decoding: the grammar's masks are slow")
         for t in late:
             self.stats.timed_out += 1
             self._finish(t, error=DeadlineExceeded(
@@ -334,10 +402,21 @@ class Scheduler:
                     self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
                         f"the request could not start: {e}"))
         # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward.
-        arriving = [t.state for t in self._active if t.state is not None and t.state.to_prefill]
+        arriving = [t for t in self._active if t.state is not None and t.state.to_prefill]
         if arriving:
-            prefill_arrivals(self.models, arriving, self.chunk, self.kv_store)
-        ready = [t for t in self._active if t.state is not None and t.state.ready]
+            try:
+                prefill_arrivals(self.models, [t.state for t in arriving], self.chunk,
+                                 self.kv_store)
+            except Exception as e:
+                if self.publish is not None:
+                    raise  # a sharded target's ranks may have diverged: the round fails
+                # Only the arriving requests were in that forward: they fail, not the others.
+                log.exception("a prefill forward failed")
+                for t in arriving:
+                    self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
+                        f"the prompt's prefill failed: {e}"))
+        ready = [t for t in self._active if t.state is not None and t.state.ready
+                 and t not in idle]
         if ready:
             t0 = time.perf_counter()
             run_round(self.models, [t.state for t in ready])
@@ -365,6 +444,8 @@ class Scheduler:
         seconds = time.perf_counter() - t.t0
         if t.state is not None:
             t.state.release()
+            if not self._active or kv_positions(t.request) > ragged.SLOT_POSITIONS:
+                mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now
         if error is not None:
             t.output.fail(error)
             return

@@ -36,7 +36,9 @@ import mlx.nn as nn
 import numpy as np
 from llguidance import LLMatcher
 
-from .decode import (GrammarStateError, StepTimings, TokenId)
+import time
+
+from .decode import StepTimings, TokenId, grammar_failure
 from .lookup import LookupCursor, NgramIndex
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 
@@ -128,6 +130,24 @@ class SpecStats(StepTimings):
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+def fill_row(matcher: Any, bitmask: np.ndarray, j: int, stats: StepTimings | None) -> None:
+    """Fill mask row j for the matcher's state, counting its time in `stats` (every fill
+    counts against the request's grammar budget: `core.MaskBudget`)."""
+    t0 = time.perf_counter()
+    llnp.fill_next_token_bitmask(matcher, bitmask, j)
+    if stats is not None:
+        dt = time.perf_counter() - t0
+        stats.mask_s += dt
+        stats.round_mask_s += dt
+        stats.mask_max_s = max(stats.mask_max_s, dt)
+
+
+def over_round_budget(stats: StepTimings, budget_s: float | None) -> bool:
+    """Whether this round's fills for a request have spent its in-round budget (then it
+    proposes no further and verifies what it has: the round ends sooner, output unchanged)."""
+    return budget_s is not None and stats.round_mask_s > budget_s
+
+
 def single_allowed(bitmask: np.ndarray) -> int | None:
     """The one allowed token id of a packed mask row, or None when 0 or 2+ are allowed."""
     nz = np.flatnonzero(bitmask)
@@ -149,8 +169,8 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
            matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
            index: NgramIndex | None = None, run_on: bool = True,
-           space: np.ndarray | None = None
-           ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
+           space: np.ndarray | None = None, row0: np.ndarray | None = None,
+           budget_s: float | None = None) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
 
@@ -164,6 +184,10 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     mask and the (seed, position) noise are read at those ids, so the pick is the one over
     target-width logits (-inf off the draft's vocabulary), ties included, at a sixth of the
     width.
+
+    `row0`: the matcher's mask at its current state, when already filled (the round's first
+    verify row); the first step reads it instead of filling it again. `budget_s`: stop
+    proposing once the round's fills took this long (`over_round_budget`).
     """
     props: list[TokenId] = []
     sources: list[str] = []
@@ -186,9 +210,14 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     for j in range(kk):
         forced = cand = None
         if clone is not None:
-            llnp.fill_next_token_bitmask(clone, row, 0)
-            if clone.is_error():
+            if j == 0 and row0 is not None:
+                row[0] = row0
+            elif over_round_budget(stats, budget_s):
                 break
+            else:
+                fill_row(clone, row, 0, stats)
+                if clone.is_error():
+                    break
             if spec.forced_drafting:
                 forced = single_allowed(row[0])
         if forced is None and cursor is not None:
@@ -260,7 +289,9 @@ def mask_allows(row: np.ndarray, token: TokenId) -> bool:
 
 
 def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vocab_size: int,
-                 position: int | None = None) -> tuple[np.ndarray, int]:
+                 position: int | None = None, row0: np.ndarray | None = None,
+                 stats: StepTimings | None = None, budget_s: float | None = None
+                 ) -> tuple[np.ndarray, int]:
     """Mask rows for every verify position, and how many proposals the grammar allows.
 
     Looks ahead on a `deep_copy` of the request's matcher (~2 µs), advanced through the
@@ -272,16 +303,26 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
         proposed EOS stay all-banned (fail closed); they are never used.
     Args:
         position: output tokens emitted before this round (reported in errors).
+        row0: the matcher's mask at its current state, when already filled.
+        stats: where each fill's time is counted.
+        budget_s: verify fewer proposals rather than fill rows past this round's budget
+            (`over_round_budget`): rows 0..j-1 filled verify proposals[:j-1].
     Raises:
         GrammarStateError: the matcher is in (or enters) an error state.
+        GrammarTooComplex: it reached one of llguidance's parser limits.
     """
     bitmask = np.zeros((len(props) + 1, (vocab_size + 31) // 32), dtype=np.int32)
     look = matcher.deep_copy()
     for j in range(len(props) + 1):
-        llnp.fill_next_token_bitmask(look, bitmask, j)
+        if j == 0 and row0 is not None:
+            bitmask[0] = row0
+        elif j > 0 and stats is not None and over_round_budget(stats, budget_s):
+            return bitmask, j - 1
+        else:
+            fill_row(look, bitmask, j, stats)
         if look.is_error():
-            raise GrammarStateError("grammar error while verifying", detail=look.get_error(),
-                                    position=None if position is None else position + j)
+            raise grammar_failure("grammar error while verifying", detail=look.get_error(),
+                                  position=None if position is None else position + j)
         if j == len(props):
             break
         t = props[j]
@@ -290,7 +331,7 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
         if t in eos:
             return bitmask, j + 1  # nothing follows EOS
         if not look.consume_token(t):
-            raise GrammarStateError(f"the grammar rejected token {t} its own mask allowed",
-                                    detail=look.get_error(),
-                                    position=None if position is None else position + j)
+            raise grammar_failure(f"the grammar rejected token {t} its own mask allowed",
+                                  detail=look.get_error(),
+                                  position=None if position is None else position + j)
     return bitmask, len(props)
