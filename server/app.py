@@ -27,7 +27,7 @@ from specdec.errors import InternalError, SpecdecError
 
 from . import chat, messages, responses
 from .door import Door, ServeConfig
-from .errors import WireError, bad_request
+from .errors import WireError, bad_request, ref_of
 from .metrics import Metrics
 from .openapi import Health, ModelList, error_responses, openapi
 
@@ -84,9 +84,12 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
-        log.exception("internal error")
+        # The exception's text stays in the log; the client gets the log line's reference.
+        err = InternalError("an unexpected exception")
+        log.exception("internal error (ref %s) on %s %s", ref_of(err), request.method,
+                      request.url.path)
         metrics.add(request_errors_total=1)
-        return api_of(request.url.path).error(InternalError(f"internal error: {e}"))
+        return api_of(request.url.path).error(err)
 
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 

@@ -28,7 +28,7 @@ from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
 from specdec.request import GenerateRequest, SpecOverrides
 
-from .errors import WireError, bad_request
+from .errors import WireError, bad_request, ref_of
 from .metrics import Metrics
 
 M = TypeVar("M", bound=BaseModel)
@@ -176,16 +176,17 @@ LOG_LIMIT = 4096  # characters of a request's constraint and grammar in a failur
 
 def log_failure(req: Request, e: SpecdecError) -> None:
     """The server log's account of a failed request: an internal fault with what locates
-    it (position, constraint, grammar; bounded), a stopped request as a warning."""
+    it (position, constraint, grammar; bounded) and the reference its client was given, a
+    stopped request as a warning."""
     if isinstance(e, GrammarStateError):
         g = req.grammar
-        log.error("grammar state error at output token %s: %s\nconstraint: %.*s\n"
-                  "grammar: %.*s", e.position, e.detail or e, LOG_LIMIT, req.constraint,
-                  LOG_LIMIT, g.text if g else None)
+        log.error("grammar state error at output token %s (ref %s): %s\nconstraint: %.*s\n"
+                  "grammar: %.*s", e.position, ref_of(e), e.detail or e, LOG_LIMIT,
+                  req.constraint, LOG_LIMIT, g.text if g else None)
     elif e.kind == "timeout":
         log.warning("request stopped: %s", e)
     elif e.kind == "internal":
-        log.error("generation failed: %s", e)
+        log.error("generation failed (ref %s): %s", ref_of(e), e)
 
 
 def field_path(body: Any, loc: tuple[Any, ...]) -> str:

@@ -5,6 +5,7 @@ own fields (`param` maps from the engine's neutral names); nothing here reads me
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,11 +63,28 @@ def headers_of(e: SpecdecError) -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S)} if e.code == "queue_full" else {}
 
 
+def ref_of(e: BaseException) -> str:
+    """A short reference for a fault, the same in its client's answer and in the server's
+    log line (set on first use)."""
+    ref = getattr(e, "ref", None)
+    if ref is None:
+        ref = secrets.token_hex(4)
+        setattr(e, "ref", ref)
+    return str(ref)
+
+
 def message_of(e: SpecdecError) -> str:
+    """The error's message for its client. An internal fault's text (an exception's, a
+    parser state's) stays in the server log: the client gets where it happened, if known,
+    and the log line's reference."""
     if e.code == "queue_full":
         return f"the server is at capacity: {e}; retry after {RETRY_AFTER_S}s"
-    if e.code == "grammar_state":
-        return f"internal error: {e}; no output past that point was emitted"
+    if e.kind == "internal" and not isinstance(e, WireError):
+        position = getattr(e, "position", None)
+        where = f" at output token {position}" if isinstance(position, int) else ""
+        after = "; no output past that point was emitted" if where else ""
+        return (f"internal error{where} (ref {ref_of(e)}): the server failed on this "
+                f"request{after}; its log has the details")
     return str(e)
 
 
