@@ -49,7 +49,11 @@ def router(door: Door) -> APIRouter:
     @r.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat(request: Request) -> Any:
         body = to_chat(await door.parse(request, ChatCompletionRequest))
-        return await _serve(door, request, body, True)
+        try:
+            return await _serve(door, request, body, True)
+        except SpecdecError as e:  # in the body's own field names
+            door.metrics.add(request_errors_total=1)
+            return openai_response(e, {**PARAMS, **body.params})
 
     @r.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(request: Request) -> Any:
@@ -57,6 +61,7 @@ def router(door: Door) -> APIRouter:
         try:
             return await _serve(door, request, body, False)
         except SpecdecError as e:  # in this API's own field names
+            door.metrics.add(request_errors_total=1)
             return openai_response(e, COMPLETION_PARAMS)
 
     return r

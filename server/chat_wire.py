@@ -12,19 +12,68 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag
+from pydantic_core import PydanticCustomError
 
+from .door import Float, Int, integral
 from .openapi import GENERATE_RESPONSES
 
 # -- requests ---------------------------------------------------------------------------------
+FAIL_FAST = Field(fail_fast=True)  # a long list's first bad item is its error, not every one
+TOKEN_ID_DIGITS = 20  # a logit_bias key: a token id, written in at most this many digits
 
 
-def _integral(v: Any) -> Any:
-    """JSON Schema's integer includes 3.0 (generators and some clients write it so)."""
-    return int(v) if isinstance(v, float) and v.is_integer() else v
+def _integral_items(v: Any) -> Any:
+    """`integral` over a list at once (a prompt of token ids may be long: a list without
+    floats is passed on as it is)."""
+    if not isinstance(v, list) or float not in set(map(type, v)):
+        return v
+    return [integral(x) for x in v]
 
 
-Int = Annotated[int, BeforeValidator(_integral)]
+def _bias(v: Any) -> Any:
+    """logit_bias: every key a token id in ASCII digits (no "²", no 5000 digits), every
+    value a finite number; the first offender is the error (not one error per key)."""
+    if not isinstance(v, dict):
+        return v
+    for k, b in v.items():
+        if not (isinstance(k, str) and 0 < len(k) <= TOKEN_ID_DIGITS and k.isascii()
+                and k.isdigit()):
+            raise PydanticCustomError("logit_bias_key", "key {key} is not a token id (at "
+                                      "most {n} ASCII digits)",
+                                      {"key": repr(k[:24]) + ("..." if len(k) > 24 else ""),
+                                       "n": TOKEN_ID_DIGITS})
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (-100 <= b <= 100):
+            raise PydanticCustomError("logit_bias_value", "the bias of token {key} must be a "
+                                      "number in [-100, 100]", {"key": k})
+    return v
+
+
+def _count(v: Any) -> Any:
+    """An integer for a literal count (a literal 1 takes true as well, so true is refused
+    here)."""
+    if isinstance(v, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return integral(v)
+
+
+def _prompt_kind(v: Any) -> str:
+    """Which of the prompt's forms a value is, by its JSON type (so that a bad token id is
+    reported as such, not as every other form's mismatch)."""
+    if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+        return "texts" if isinstance(v[0], str) else "batch"
+    return "text" if isinstance(v, str) else "ids"
+
+
+def _any_of(schema: dict[str, Any]) -> None:
+    """The prompt's forms are documented as `anyOf`, as a plain union is (they are
+    disjoint, so `oneOf` says no more)."""
+    if "oneOf" in schema:
+        schema["anyOf"] = schema.pop("oneOf")
+
+
+TokenIds = Annotated[list[Annotated[int, Strict(), Field(ge=0)]],
+                     Field(min_length=1, fail_fast=True), BeforeValidator(_integral_items)]
 
 
 class _Wire(BaseModel):
@@ -40,7 +89,7 @@ class TextPart(_Wire):
     text: str
 
 
-Content = str | list[TextPart]
+Content = str | Annotated[list[TextPart], FAIL_FAST]
 
 
 class SystemMessage(_Open):
@@ -70,7 +119,7 @@ class AssistantTurn(_Open):
     role: Literal["assistant"]
     content: Content | None = Field(None, description="text, a list of text parts, or null")
     name: str | None = None
-    tool_calls: list[CallInHistory] | None = None
+    tool_calls: Annotated[list[CallInHistory], FAIL_FAST] | None = None
 
 
 class ToolResult(_Open):
@@ -105,7 +154,7 @@ class StructuredOutputs(_Wire):
     json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
     regex: str | None = None
     grammar: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str], FAIL_FAST] | None = None
     json_object: bool | None = None
 
 
@@ -133,19 +182,21 @@ class NamedToolChoice(_Wire):
 class _Sampling(_Open):
     model: str | None = None
     max_tokens: Int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Int | None = Field(None, ge=0)
+    temperature: Float | None = Field(None, ge=0, le=100)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=0, description="0 (or the vocabulary size, or more) "
+                                                      "disables it")
     seed: Int | None = Field(None, ge=0, le=2**64 - 1)
     stop: Annotated[str, Field(min_length=1)] | Annotated[
         list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = Field(
         None, description="a non-empty string, or up to 4 of them")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Annotated[Literal[1], BeforeValidator(_integral)] | None = Field(
+    n: Annotated[Literal[1], BeforeValidator(_count)] | None = Field(
         None, description="one choice per request")
-    logit_bias: Annotated[dict[Annotated[str, Field(pattern="^[0-9]+$")],
-                               Annotated[float, Field(ge=-100, le=100)]],
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=f"^[0-9]{{1,{TOKEN_ID_DIGITS}}}$")],
+                               Annotated[Float, Field(ge=-100, le=100)]],
+                          BeforeValidator(_bias),
                           Field(json_schema_extra={"additionalProperties": False})] | None = Field(
         None, description="token id (a string of digits) -> bias in [-100, 100]")
     structured_outputs: StructuredOutputs | None = None
@@ -155,10 +206,10 @@ class _Sampling(_Open):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: Int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], FAIL_FAST] | None = None
     tool_choice: Literal["none", "required", "auto"] | NamedToolChoice | None = Field(
         None, description="'auto' (the default with tools): text or calls, the calls under "
                           "the tools' grammar; 'required': at least one call; a named "
@@ -177,13 +228,14 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[
-        list[Annotated[Int, Field(ge=0)]], Field(min_length=1)] | Annotated[
-        list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)] | Annotated[
-        list[Annotated[list[Annotated[Int, Field(ge=0)]], Field(min_length=1)]],
-        Field(min_length=1, max_length=1)] = Field(
+    prompt: Annotated[
+        Annotated[str, Tag("text"), Field(min_length=1)] | Annotated[TokenIds, Tag("ids")]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Tag("texts"),
+                    Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenIds], Tag("batch"), Field(min_length=1, max_length=1)],
+        Discriminator(_prompt_kind)] = Field(
         description="one prompt: text, or token ids of the model's vocabulary (or a list "
-                    "holding one of them)")
+                    "holding one of them)", json_schema_extra=_any_of)
     logprobs: Int | None = Field(None, ge=0, le=20)
 
 

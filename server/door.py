@@ -1,5 +1,6 @@
-"""What every API module shares: the server's settings, reading and parsing a body, and
-running a `specdec.request.GenerateRequest` through the engine as an event stream.
+"""What every API module shares: the server's settings, reading and parsing a body (and the
+wire's number types), and running a `specdec.request.GenerateRequest` through the engine as
+an event stream.
 
 An API module (`chat`, `responses`, `messages`) parses its wire body with its pydantic models
 (`Door.parse`), builds the neutral request, calls `Door.open` and turns the events of the
@@ -16,11 +17,11 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import AllowInfNan, BaseModel, BeforeValidator, Strict, ValidationError
 
 from specdec.decode import GrammarStateError
 from specdec.engine import Engine, Request
@@ -33,6 +34,17 @@ from .metrics import Metrics
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("specdec.server")
+
+
+# -- the wire's numbers (every API's models use these) -----------------------------------------
+def integral(v: Any) -> Any:
+    """JSON Schema's integer includes 3.0 (generators and some clients write it so)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# No "1" for 1, no true for 1, no NaN or infinity (1e400 parses as inf), 3.0 for 3.
+Int = Annotated[int, BeforeValidator(integral), Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
 
 
 @dataclass(frozen=True)
@@ -193,10 +205,13 @@ def field_path(body: Any, loc: tuple[Any, ...]) -> str:
     """A pydantic error location as the field path in the body (`input[0].content[1]`):
     the parts pydantic adds that are not in the body (a union member's name, a tagged
     union's tag value, a validator's name) are left out, by walking the body itself; a
-    mapping's keys (not field names) end the path at the mapping."""
+    mapping's keys (not field names) and a list's scalar items end the path at the mapping
+    or the list."""
     out, at = "", body
     for n, p in enumerate(loc):
         if isinstance(p, int) and isinstance(at, list) and 0 <= p < len(at):
+            if not isinstance(at[p], (dict, list)):
+                break  # an item of a list of values (a token id): the list is at fault
             out, at = out + f"[{p}]", at[p]
         elif isinstance(p, str) and isinstance(at, dict) and p in at:
             if not p.isidentifier() or loc[n + 1:n + 2] == ("[key]",):

@@ -12,17 +12,22 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from .door import Float, Int
+
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
           "system": ("text",)}
 
 
 # -- the wire: requests -----------------------------------------------------------------------
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no 1 for true
 
 
 class _Block(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control, citations, caller, ...
+    model_config = ConfigDict(extra="ignore", strict=True)  # cache_control, citations, ...
+
+
+FAIL_FAST = Field(fail_fast=True)  # a long list's first bad item is its error, not every one
 
 
 def _as_blocks(v: Any, allowed: tuple[str, ...]) -> Any:
@@ -45,7 +50,7 @@ class TextBlock(_Block):
     text: str
 
 
-TextBlocks = Annotated[list[TextBlock], BeforeValidator(  # the document says: string or blocks
+TextBlocks = Annotated[list[TextBlock], FAIL_FAST, BeforeValidator(  # string or blocks
     lambda v: _as_blocks(v, ("text",)), json_schema_input_type=str | list[TextBlock])]
 
 
@@ -73,7 +78,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
 
 class Turn(_Strict):
     role: Literal["user", "assistant", "system"]
-    content: list[Block]
+    content: Annotated[list[Block], FAIL_FAST]
 
     @field_validator("content", mode="before", json_schema_input_type=str | list[Block])
     @classmethod
@@ -106,7 +111,7 @@ class ToolChoiceIn(_Strict):
 
 class ThinkingIn(_Strict):
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = Field(None, ge=1)  # type "enabled": required
+    budget_tokens: Int | None = Field(None, ge=1)  # type "enabled": required
     display: Literal["summarized", "omitted"] | None = None
 
     @model_validator(mode="after")
@@ -131,9 +136,9 @@ class CountTokensBody(_Strict):
     """What a prompt is made of: `POST /v1/messages/count_tokens`."""
 
     model: str
-    messages: list[Turn] = Field(min_length=1)
+    messages: list[Turn] = Field(min_length=1, fail_fast=True)
     system: TextBlocks = []
-    tools: list[ToolDef] = []
+    tools: Annotated[list[ToolDef], FAIL_FAST] = []
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingIn | None = None
     output_config: OutputConfig | None = None
@@ -153,14 +158,14 @@ class CountTokensBody(_Strict):
 class MessagesBody(CountTokensBody):
     """`POST /v1/messages`: a conversation to answer."""
 
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] = []
+    max_tokens: Int = Field(ge=1)
+    stop_sequences: Annotated[list[str], FAIL_FAST] = []
     stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    temperature: Float | None = Field(None, ge=0, le=1)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=0)
     # our extensions
-    seed: int | None = Field(None, ge=0)
-    num_draft_tokens: int | None = Field(None, ge=0)
+    seed: Int | None = Field(None, ge=0, le=2**64 - 1)
+    num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
     draft_masking: bool | None = None
     prompt_lookup: bool | None = None

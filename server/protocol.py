@@ -6,7 +6,7 @@ turned off at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.grammar import Constraint
@@ -38,12 +38,18 @@ SWITCHES = ("enable_thinking", "thinking", "reasoning")  # chat_template_kwargs 
 
 @dataclass(frozen=True)
 class Body:
-    """A parsed chat or completions body: the neutral request and the wire's own options."""
+    """A parsed chat or completions body: the neutral request and the wire's own options.
+
+    Attributes:
+        params: neutral field names this body spells its own way (`max_completion_tokens`
+            for max_tokens), over the API's.
+    """
 
     request: GenerateRequest
     model: str | None
     stream: bool
     include_usage: bool
+    params: dict[str, str] = field(default_factory=dict)
 
 
 def refuse_unimplemented(body: _Sampling) -> None:
@@ -99,6 +105,10 @@ def constraint_of(body: _Sampling) -> Constraint | None:
 def sampling_of(body: _Sampling) -> SamplingParams:
     """Temperature defaults to 1, as OpenAI's does."""
     bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
+    twice = next((t for (t, _), (u, _) in zip(bias, bias[1:]) if t == u), None)
+    if twice is not None:
+        raise bad_request(f"logit_bias names token {twice} twice (its keys are token ids)",
+                          "logit_bias")
     try:
         return SamplingParams(1.0 if body.temperature is None else body.temperature,
                               1.0 if body.top_p is None else body.top_p, body.top_k or 0,
@@ -188,7 +198,8 @@ def to_chat(body: ChatCompletionRequest) -> Body:
         parallel_tool_calls=body.parallel_tool_calls is not False,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         template_kwargs=kwargs, thinking=thinking, thinking_budget=budget,
-        reasoning_effort=effort if effort not in (None, "none") else None, **fields), **wire)
+        reasoning_effort=effort if effort not in (None, "none") else None, **fields), **wire,
+        params={"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else {})
 
 
 def to_completion(body: CompletionRequest) -> Body:

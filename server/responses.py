@@ -26,6 +26,7 @@ max_thinking_tokens, chat_template_kwargs.
 from __future__ import annotations
 
 import copy
+import reprlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -78,7 +79,7 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
             raise bad_request(f"unknown parameter {name!r}", name, "unsupported_parameter")
         noop, why = NOOP[name]
         if not any(v is n or (type(v) is type(n) and v == n) for n in noop):
-            raise bad_request(f"{name}={v!r} is not supported: {why}", name,
+            raise bad_request(f"{name}={reprlib.repr(v)} is not supported: {why}", name,
                               "unsupported_parameter")
 
 

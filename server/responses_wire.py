@@ -12,6 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchem
 from pydantic import GetJsonSchemaHandler
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
+from .door import Float, Int
+
 STATELESS = "this server is stateless: responses are not stored"
 # Official fields that would change the output: their no-op values, and why others are refused.
 NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -27,7 +29,14 @@ NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
     "moderation": ((None,), "moderation is not implemented")}
 IGNORED = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
                      "prompt_cache_retention", "prompt_cache_options", "stream_options",
-                     "background_options", "max_tool_calls", "image", "access_programs"})
+                     "background_options", "image", "access_programs"})
+FAIL_FAST = Field(fail_fast=True)  # a long list's first bad item is its error, not every one
+
+
+class _Wire(BaseModel):
+    """Scalars as the document types them: no "1" for 1, no 1 for true."""
+
+    model_config = ConfigDict(strict=True)
 
 @dataclass(frozen=True)
 class OneOf:
@@ -51,7 +60,7 @@ class OneOf:
         return {**handler(schema), "enum": list(self.allowed)}
 
 
-class Part(BaseModel):
+class Part(_Wire):
     model_config = ConfigDict(extra="ignore")  # an echoed output's annotations, logprobs
     type: Annotated[str, OneOf(("input_text", "output_text", "reasoning_text", "summary_text"))]
     text: str
@@ -63,7 +72,7 @@ def _or_text(schema: dict[str, Any]) -> None:
     schema["anyOf"] = [{"type": "string"}, items]
 
 
-Parts = Annotated[list[Part], BeforeValidator(
+Parts = Annotated[list[Part], FAIL_FAST, BeforeValidator(
     lambda v: [{"type": "input_text", "text": v}] if isinstance(v, str) else v),
     Field(json_schema_extra=_or_text)]
 
@@ -71,7 +80,7 @@ Parts = Annotated[list[Part], BeforeValidator(
 NEEDS = {"function_call": ("call_id", "name"), "function_call_output": ("call_id",)}
 
 
-class InputItem(BaseModel):
+class InputItem(_Wire):
     """One `input` item; no `type` is a message (the SDK's EasyInputMessage). Items sent back
     from an earlier output carry ids and statuses: ignored."""
 
@@ -84,10 +93,10 @@ class InputItem(BaseModel):
     name: str = ""
     arguments: str = "{}"
     output: Parts = Field(default_factory=list, description="a function call's result")
-    summary: list[Part] = Field(default_factory=list)
+    summary: Annotated[list[Part], FAIL_FAST] = Field(default_factory=list)
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(_Wire):
     model_config = ConfigDict(extra="ignore")
     type: Annotated[str, OneOf(("function",))]
     name: str = Field(min_length=1)
@@ -96,12 +105,12 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class FunctionChoice(BaseModel):
+class FunctionChoice(_Wire):
     type: Annotated[str, OneOf(("function",))]
     name: str
 
 
-class TextFormat(BaseModel):
+class TextFormat(_Wire):
     model_config = ConfigDict(extra="ignore")
     type: Annotated[str, OneOf(("text", "json_object", "json_schema"))]
     name: str | None = None
@@ -111,12 +120,12 @@ class TextFormat(BaseModel):
                                                   "are warnings, not a 400")
 
 
-class TextConfig(BaseModel):
+class TextConfig(_Wire):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = Field(None, description="only the default")
 
 
-class ReasoningConfig(BaseModel):
+class ReasoningConfig(_Wire):
     model_config = ConfigDict(extra="ignore")
     effort: str | None = Field(None, description="any but 'none' thinks before the answer")
     summary: str | None = None
@@ -131,28 +140,30 @@ def _other_fields(schema: dict[str, Any]) -> None:
     schema["additionalProperties"] = False
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Wire):
     """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_other_fields)
     model: str | None = None
-    input: Annotated[list[InputItem], BeforeValidator(
+    input: Annotated[list[InputItem], FAIL_FAST, BeforeValidator(
         lambda v: [{"content": v}] if isinstance(v, str) else v)] = Field(
         description="text, or a list of items", json_schema_extra=_or_text)
     instructions: str | None = None
     text: TextConfig | None = None
-    tools: list[FunctionTool] = Field(default_factory=list)
+    tools: Annotated[list[FunctionTool], FAIL_FAST] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "auto"
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=100, description="default 1")
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0, le=100, description="default 1")
+    top_p: Float | None = Field(None, gt=0, le=1)
     reasoning: ReasoningConfig | None = None
     stream: bool | None = None
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
-    top_k: int | None = Field(None, ge=0)
-    num_draft_tokens: int | None = Field(None, ge=0, le=16, description="0: plain decoding")
+    max_tool_calls: Int | None = Field(None, ge=0, description="accepted and ignored: "
+                                                               "built-in tools only")
+    seed: Int | None = Field(None, ge=0, le=2**64 - 1)
+    top_k: Int | None = Field(None, ge=0)
+    num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
     draft_masking: bool | None = None
     prompt_lookup: bool | None = None
-    max_thinking_tokens: int | None = Field(None, ge=0, description="implies thinking")
+    max_thinking_tokens: Int | None = Field(None, ge=0, description="implies thinking")
     chat_template_kwargs: dict[str, Any] | None = None
