@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag
 from pydantic_core import PydanticCustomError
 
-from .door import Float, Int, integral
+from .door import Float, Int, integral, within_context
 from .openapi import GENERATE_RESPONSES
 
 # -- requests ---------------------------------------------------------------------------------
@@ -73,7 +73,8 @@ def _any_of(schema: dict[str, Any]) -> None:
 
 
 TokenIds = Annotated[list[Annotated[int, Strict(), Field(ge=0)]],
-                     Field(min_length=1, fail_fast=True), BeforeValidator(_integral_items)]
+                     Field(min_length=1, fail_fast=True), BeforeValidator(_integral_items),
+                     within_context("token ids")]
 
 
 class _Wire(BaseModel):
@@ -206,7 +207,8 @@ class _Sampling(_Open):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
+    messages: Annotated[list[ChatMessage], within_context("turns")] = Field(
+        min_length=1, fail_fast=True)
     max_completion_tokens: Int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], FAIL_FAST] | None = None

@@ -6,6 +6,12 @@ An API module (`chat`, `responses`, `messages`) parses its wire body with its py
 (`Door.parse`), builds the neutral request, calls `Door.open` and turns the events of the
 returned `Run` into its wire response. Errors are `SpecdecError`s; the app answers each in
 the shape of the API whose path it hit.
+
+Admission comes before work: a full server answers 503 before a body is parsed and before a
+request is rendered; a prompt that cannot fit the context even at a lower bound on its tokens
+(`PromptBound`, no tokenizer) is a 400 at once; rendering, tokenizing and compiling run in a
+bounded pool (`Bounded`: past its bound, 503), and a large body is parsed and validated on a
+thread of its own, so one client's body never stalls the event loop's other streams.
 """
 
 from __future__ import annotations
@@ -13,27 +19,36 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
-from pydantic import AllowInfNan, BaseModel, BeforeValidator, Strict, ValidationError
+from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Strict, ValidationError,
+                      ValidationInfo)
+from pydantic_core import PydanticCustomError
 
 from specdec.decode import GrammarStateError
 from specdec.engine import Engine, Request
-from specdec.errors import SpecdecError
+from specdec.errors import RequestError, SpecdecError
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
 from specdec.request import GenerateRequest, SpecOverrides
+from specdec.scheduler import QueueFull
 
 from .errors import WireError, bad_request, ref_of
 from .metrics import Metrics
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
 log = logging.getLogger("specdec.server")
+INLINE_BODY_BYTES = 256 * 1024  # a larger body is parsed off the event loop
+PREPARE_WORKERS = PARSE_WORKERS = 2
 
 
 # -- the wire's numbers (every API's models use these) -----------------------------------------
@@ -45,6 +60,21 @@ def integral(v: Any) -> Any:
 # No "1" for 1, no true for 1, no NaN or infinity (1e400 parses as inf), 3.0 for 3.
 Int = Annotated[int, BeforeValidator(integral), Strict()]
 Float = Annotated[float, Strict(), AllowInfNan(False)]
+
+
+def within_context(what: str, count: Callable[[list[Any]], int] = len) -> BeforeValidator:
+    """A list field's check before its items are read: `count(items)` (a lower bound on
+    the prompt's tokens: token ids, turns) against the validation context's
+    `context_length` (`Door.validate`); at or over it, `context_length_exceeded`. Last in
+    the field's annotations, so that it runs first."""
+    def check(v: Any, info: ValidationInfo) -> Any:
+        limit = (info.context or {}).get("context_length")
+        if isinstance(v, list) and isinstance(limit, int) and (n := count(v)) >= limit:
+            raise PydanticCustomError("context_length_exceeded", "{n} {what}, a token each "
+                                      "at least; the context length is {limit}",
+                                      {"n": n, "what": what, "limit": limit})
+        return v
+    return BeforeValidator(check)
 
 
 @dataclass(frozen=True)
@@ -68,22 +98,177 @@ class ServeConfig:
     channel: Any = field(default=None, compare=False)  # a sharded target's broadcast
 
 
+class Bounded:
+    """A thread pool that refuses work it cannot start soon: past `workers` running and
+    `waiting` queued jobs, `run` raises `QueueFull` (a 503) instead of queueing more."""
+
+    def __init__(self, workers: int, waiting: int, name: str, what: str) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self.limit, self.what = workers + waiting, what
+        self.pending = 0  # submitted and not done (a cancelled wait does not end the job)
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Callable[..., R], *args: Any) -> R:
+        with self._lock:
+            if self.pending >= self.limit:
+                raise QueueFull(f"{self.pending} requests are being {self.what} (at most "
+                                f"{self.limit})")
+            self.pending += 1
+        try:
+            job = self.pool.submit(fn, *args)
+        except BaseException:  # shut down
+            self._done(None)
+            raise
+        job.add_done_callback(self._done)
+        return await asyncio.wrap_future(job)
+
+    def _done(self, _: Any) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """A lower bound on a request's prompt tokens that needs no rendering or tokenizing, so
+    a prompt that cannot fit the context is refused before any work on it.
+
+    Each turn costs at least one token (its role marker, in every template); the text of
+    the user and tool turns (which no template drops, as some drop past reasoning), or a
+    raw prompt, at least its UTF-8 bytes over `bytes_per_token`: the most text bytes one
+    token can stand for, through the tokenizer's normalizer. Token ids count as themselves.
+
+    Attributes:
+        context: the model's context length (tokens).
+        bytes_per_token: None where the tokenizer may delete text (no text bound).
+    """
+
+    context: int
+    bytes_per_token: float | None
+
+    @staticmethod
+    def of(engine: Any) -> "PromptBound | None":
+        """The engine's bound (None for an engine without a context and a tokenizer)."""
+        context = getattr(engine, "context_length", None)
+        llt = getattr(getattr(engine, "compiler", None), "tokenizer", None)
+        if not isinstance(context, int) or llt is None:
+            return None
+        shrink = text_shrink(getattr(engine.target, "tokenizer", None))
+        if shrink is None:
+            return PromptBound(context, None)
+        longest = max(len(llt.decode_bytes([t])) for t in range(llt.vocab_size))
+        return PromptBound(context, max(longest, 4) * shrink)  # 4: an unknown character
+
+    def at_least(self, greq: GenerateRequest) -> int:
+        """Tokens the request's prompt has at least."""
+        p = greq.prompt
+        if p is not None and not isinstance(p, str):
+            return len(p)
+        texts = [p] if isinstance(p, str) else [m.content for m in greq.messages
+                                                 if m.role in ("user", "tool")]
+        turns = len(greq.messages)
+        if self.bytes_per_token is None:
+            return turns
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        return max(turns, math.ceil(size / self.bytes_per_token))
+
+    def check(self, greq: GenerateRequest) -> None:
+        """Raises:
+            RequestError: `context_length_exceeded` (param "messages" or "max_tokens")."""
+        n = self.at_least(greq)
+        if n >= self.context:
+            raise RequestError(f"the prompt has at least {n} tokens; the context length is "
+                               f"{self.context}", param="messages",
+                               code="context_length_exceeded")
+        if greq.max_tokens is not None and n + greq.max_tokens > self.context:
+            raise RequestError(f"asks for more output tokens than the context length "
+                               f"{self.context} leaves after a prompt of at least {n} "
+                               f"(at most {self.context - n})", param="max_tokens",
+                               code="context_length_exceeded")
+
+
+# How many bytes of text a normalizer may turn into one: Unicode normalization maps a 4-byte
+# character to one byte at most (NFKC: U+1D400 -> "A"); lowercasing a 3-byte one (U+212A).
+_SHRINK = {"NFC": 4.0, "NFD": 4.0, "NFKC": 4.0, "NFKD": 4.0, "Lowercase": 3.0,
+           "Prepend": 1.0}
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
+
+
+def text_shrink(hf_tokenizer: Any) -> float | None:
+    """The factor by which a Hugging Face fast tokenizer's normalizer can shrink text (1:
+    none), or None where it or its pre-tokenizer may delete text (strip, whitespace
+    splitting, a removing split), added tokens swallow whitespace, or unknown text may fuse
+    into one token."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    model = backend.model
+    if type(model).__name__ != "BPE" or (model.unk_token and model.fuse_unk
+                                         and not model.byte_fallback):
+        return None
+    added = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
+    if any(t.lstrip or t.rstrip for t in added.values()):
+        return None
+
+    def norm(n: dict[str, Any]) -> float | None:
+        if n["type"] == "Sequence":
+            out: float | None = 1.0
+            for part in n["normalizers"]:
+                f = norm(part)
+                out = None if f is None or out is None else out * f
+            return out
+        if n["type"] == "Replace" and "String" in n["pattern"] and n["content"]:
+            return max(1.0, len(n["pattern"]["String"].encode()) / len(n["content"].encode()))
+        return _SHRINK.get(n["type"])
+
+    def keeps(p: dict[str, Any]) -> bool:
+        if p["type"] == "Sequence":
+            return all(keeps(q) for q in p["pretokenizers"])
+        return p["type"] in _KEEPS_TEXT and p.get("behavior") != "Removed"
+
+    try:
+        n, p = backend.normalizer, backend.pre_tokenizer
+        shrink = 1.0 if n is None else norm(json.loads(n.__getstate__()))
+        if p is not None and not keeps(json.loads(p.__getstate__())):
+            return None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return shrink
+
+
 class Door:
     """The engine as the API modules see it."""
 
     def __init__(self, engine: Engine, config: ServeConfig, metrics: Metrics) -> None:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.model_name = engine.target.name
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-prepare")
+        waiting = max(config.max_queue, 1)
+        self.prepares = Bounded(PREPARE_WORKERS, waiting, "specdec-prepare", "prepared")
+        self.parses = Bounded(PARSE_WORKERS, waiting, "specdec-parse", "read")
+        self.bound = PromptBound.of(engine)
 
     def check_model(self, model: str | None, param: str = "model") -> None:
         if model not in (None, self.model_name, "default"):
             raise WireError(404, f"model {model!r} does not exist; this server serves "
                                  f"{self.model_name!r}", param=param, code="model_not_found")
 
-    async def read_json(self, request: HTTPRequest) -> Any:
-        """The body as JSON, read with a running size limit (a chunked body is cut off at
-        the limit, not read whole first) and a nesting limit."""
+    def admit(self) -> None:
+        """Raise what submitting would raise now for want of room (a 503: the queue is
+        full, or the engine stopped), before any work on the request."""
+        sched = getattr(self.engine, "scheduler", None)  # a stand-in engine may have none
+        try:
+            if sched is not None:
+                sched.check_room()
+        except SpecdecError as e:
+            if e.code == "queue_full":
+                self.metrics.add(requests_rejected_total=1)
+            raise
+
+    async def read_body(self, request: HTTPRequest) -> bytes:
+        """The body, read with a running size limit (a chunked body is cut off at the limit,
+        not read whole first)."""
         limit, chunks, size = self.config.max_body_bytes, [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -91,49 +276,94 @@ class Door:
                 raise WireError(413, f"request body over {limit} bytes",
                                 code="request_too_large")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except RecursionError as e:
-            raise bad_request("request body is nested too deeply") from e
-        except ValueError as e:  # invalid JSON, bad UTF-8, integers over Python's digit limit
-            raise bad_request(f"request body is not valid JSON: {e}") from e
-        if _depth(body) > self.config.max_json_depth:
-            raise bad_request(f"request body is nested more than "
-                              f"{self.config.max_json_depth} levels deep")
-        return body
+        return b"".join(chunks)
 
-    async def parse(self, request: HTTPRequest, model: type[M]) -> M:
-        """Read and validate a body with the API's pydantic model (the only parser).
+    async def parse(self, request: HTTPRequest, model: type[M], *, admit: bool = True) -> M:
+        """Read and validate a body with the API's pydantic model (the only parser): after
+        the admission check when `admit` (a full server parses nothing), and off the event
+        loop when the body is large.
+
+        Raises:
+            WireError: 400 naming the first offending field (`a.b[0].c`); 413.
+            SpecdecError: 503 (`admit`).
+        """
+        raw = await self.read_body(request)
+        if admit:
+            self.admit()
+        if len(raw) <= INLINE_BODY_BYTES:
+            return self.validate(raw, model)
+        return await self._run(self.parses, self.validate, raw, model)
+
+    def validate(self, raw: bytes, model: type[M]) -> M:
+        """A body's bytes as the API's model: JSON, nesting limit, pydantic.
 
         Raises:
             WireError: 400 naming the first offending field (`a.b[0].c`).
         """
-        body = await self.read_json(request)
+        try:
+            body = json.loads(raw)
+        except RecursionError as e:
+            raise bad_request("request body is nested too deeply") from e
+        except UnicodeDecodeError as e:
+            raise bad_request("request body is not valid JSON: it is not UTF-8 text") from e
+        except json.JSONDecodeError as e:
+            raise bad_request(f"request body is not valid JSON: {e}") from e
+        except ValueError as e:  # an integer over Python's digit limit
+            raise bad_request("request body is not valid JSON for this server: a number "
+                              "has too many digits") from e
+        if _depth(body) > self.config.max_json_depth:
+            raise bad_request(f"request body is nested more than "
+                              f"{self.config.max_json_depth} levels deep")
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
+        if _ESCAPED_SURROGATE.search(raw) and (at := _lone_surrogate(body)) is not None:
+            raise bad_request(f"{at or 'request body'}: a string holds an unpaired UTF-16 "
+                              "surrogate escape (\\ud800-\\udfff): it is not Unicode text",
+                              at or None)
+        # What a model may check before reading a long list's items (token ids' count).
+        limits = {"context_length": self.bound.context} if self.bound is not None else {}
         try:
-            return model.model_validate(body)
+            return model.model_validate(body, context=limits)
         except ValidationError as e:
-            err = e.errors()[0]
+            err = e.errors(include_url=False)[0]
             path = field_path(body, err["loc"])
             if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
                 path += "." + str((err.get("ctx") or {}).get("discriminator", "")).strip("'")
+            code = "context_length_exceeded" if err["type"] == "context_length_exceeded" \
+                else None
             raise bad_request(f"{path}: {err['msg']}" if path else err["msg"],
-                              path or None) from None
+                              path or None, code) from None
+
+    async def prepare(self, greq: GenerateRequest) -> Request:
+        """Check the cheap limits, then render, validate and compile the request in the
+        bounded pool (within the compile time limit).
+
+        Raises:
+            SpecdecError: the request is invalid (400s); the pool is full (503).
+        """
+        if self.bound is not None:
+            self.bound.check(greq)
+        return await self._run(self.prepares, self.engine.prepare, greq)
+
+    async def _run(self, pool: Bounded, fn: Callable[..., R], *args: Any) -> R:
+        try:
+            return await pool.run(fn, *args)
+        except QueueFull:
+            self.metrics.add(requests_rejected_total=1)
+            raise
 
     async def open(self, greq: GenerateRequest, http: HTTPRequest) -> "Run":
-        """Prepare (render, validate, compile: off the event loop, within the compile time
-        limit) and submit a request.
+        """Admit, prepare and submit a request.
 
         Raises:
             SpecdecError: the request is invalid (400s), or the server is full (503).
         """
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(self.pool, self.engine.prepare, greq)
+        self.admit()
+        req = await self.prepare(greq)
         self.metrics.add(requests_total=1,
                          requests_constrained_total=int(req.constraint is not None))
         try:
-            stream = self.engine.submit(req, RequestStream().bind(loop))
+            stream = self.engine.submit(req, RequestStream().bind(asyncio.get_running_loop()))
         except SpecdecError as e:
             if e.code == "queue_full":
                 self.metrics.add(requests_rejected_total=1)
@@ -142,7 +372,8 @@ class Door:
 
     def close(self) -> None:
         self.engine.close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.prepares.close()
+        self.parses.close()
 
 
 @dataclass
@@ -242,15 +473,42 @@ class RunResponse(StreamingResponse):
             self.run.stream.cancel()
 
 
-def _depth(x: Any) -> int:
-    """Nesting depth of a parsed JSON value (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(x, 1)]
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # in pairs, one character
+
+
+def _lone_surrogate(body: Any) -> str | None:
+    """The field path of the first string (or key) holding an unpaired surrogate (which no
+    tokenizer or grammar takes), or None."""
+    stack: list[tuple[Any, str]] = [(body, "")]
     while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at.lstrip(".")
+        elif isinstance(v, dict):
+            stack.extend((x, f"{at}.{k}") for k, x in v.items())
+            stack.extend((k, at) for k in v)
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+    return None
+
+
+def _depth(x: Any) -> int:
+    """Nesting depth of a parsed JSON value (level by level: no recursion limit to hit; a
+    long list of scalars costs one pass in C)."""
+    depth, level = 0, [x] if type(x) in (dict, list) else []
+    while level:
+        depth += 1
+        below: list[Any] = []
+        for v in level:
+            items = v.values() if type(v) is dict else v
+            kinds = set(map(type, items))
+            if dict in kinds or list in kinds:
+                below.extend(c for c in items if type(c) in (dict, list))
+        level = below
+    return depth
 
 
 def sse(event: str | None, data: Any) -> str:

@@ -21,7 +21,6 @@ assistant turn (prefill), `thinking: {"type": "between_tools"}`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import uuid
@@ -311,11 +310,9 @@ def router(door: Door) -> APIRouter:
 
     @r.post(PREFIX + "/count_tokens", responses={c: _ERROR for c in (400, 401, 404, 413)})
     async def count_tokens(http: HTTPRequest) -> dict[str, int]:
-        body = await door.parse(http, CountTokensBody)
+        body = await door.parse(http, CountTokensBody, admit=False)  # nothing is queued
         door.check_model(body.model)
-        greq = prompt_request(body)
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(door.pool, door.engine.prepare, greq)
+        req = await door.prepare(prompt_request(body))
         return {"input_tokens": len(req.prompt_ids)}
 
     return r

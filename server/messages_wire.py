@@ -12,7 +12,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .door import Float, Int
+from .door import Float, Int, within_context
 
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
           "system": ("text",)}
@@ -136,7 +136,8 @@ class CountTokensBody(_Strict):
     """What a prompt is made of: `POST /v1/messages/count_tokens`."""
 
     model: str
-    messages: list[Turn] = Field(min_length=1, fail_fast=True)
+    messages: Annotated[list[Turn], within_context("turns")] = Field(min_length=1,
+                                                                      fail_fast=True)
     system: TextBlocks = []
     tools: Annotated[list[ToolDef], FAIL_FAST] = []
     tool_choice: ToolChoiceIn | None = None

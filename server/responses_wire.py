@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchem
 from pydantic import GetJsonSchemaHandler
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
-from .door import Float, Int
+from .door import Float, Int, within_context
 
 STATELESS = "this server is stateless: responses are not stored"
 # Official fields that would change the output: their no-op values, and why others are refused.
@@ -140,13 +140,20 @@ def _other_fields(schema: dict[str, Any]) -> None:
     schema["additionalProperties"] = False
 
 
+def _turns(items: list[Any]) -> int:
+    """Input items that cost a token each at least (a reasoning item joins the next
+    assistant turn, and a template may drop it)."""
+    return sum(not (isinstance(i, dict) and i.get("type") == "reasoning") for i in items)
+
+
 class ResponsesRequest(_Wire):
     """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_other_fields)
     model: str | None = None
     input: Annotated[list[InputItem], FAIL_FAST, BeforeValidator(
-        lambda v: [{"content": v}] if isinstance(v, str) else v)] = Field(
+        lambda v: [{"content": v}] if isinstance(v, str) else v),
+        within_context("input items", _turns)] = Field(
         description="text, or a list of items", json_schema_extra=_or_text)
     instructions: str | None = None
     text: TextConfig | None = None
