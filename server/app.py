@@ -96,7 +96,7 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
     @app.get("/health", response_model=Health)
     async def health() -> Any:
         sched = engine.scheduler
-        if sched.fatal is not None:  # not ready: a balancer sends no more here
+        if not sched.alive:  # not ready: a balancer sends no more here
             return JSONResponse({"status": "stopping", "model": door.model_name,
                                  "queue_depth": sched.queue_depth}, status_code=503)
         return {"status": "ok", "model": door.model_name, "queue_depth": sched.queue_depth}

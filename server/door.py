@@ -34,7 +34,7 @@ from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Strict, Validatio
                       ValidationInfo)
 from pydantic_core import PydanticCustomError
 
-from specdec.decode import GrammarStateError
+from specdec.decode import GrammarStateError, GrammarTooComplex
 from specdec.engine import Engine, Request
 from specdec.errors import RequestError, SpecdecError
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
@@ -414,7 +414,7 @@ class Run:
             self.stream.cancel()  # a no-op when done; stops the engine when the client left
 
 
-LOG_LIMIT = 4096  # characters of a request's constraint and grammar in a failure's log line
+LOG_LIMIT = 300  # characters of a request's constraint, grammar or parser state in a log line
 
 
 def log_failure(req: Request, e: SpecdecError) -> None:
@@ -423,9 +423,12 @@ def log_failure(req: Request, e: SpecdecError) -> None:
     stopped request as a warning."""
     if isinstance(e, GrammarStateError):
         g = req.grammar
-        log.error("grammar state error at output token %s (ref %s): %s\nconstraint: %.*s\n"
-                  "grammar: %.*s", e.position, ref_of(e), e.detail or e, LOG_LIMIT,
+        log.error("grammar state error at output token %s (ref %s): %.*s\nconstraint: %.*s\n"
+                  "grammar: %.*s", e.position, ref_of(e), LOG_LIMIT, e.detail or e, LOG_LIMIT,
                   req.constraint, LOG_LIMIT, g.text if g else None)
+    elif isinstance(e, GrammarTooComplex):  # the client's grammar: one short line
+        log.warning("request stopped: %s; constraint: %.*s", e, LOG_LIMIT,
+                    str(req.constraint).replace("\n", " "))
     elif e.kind == "timeout":
         log.warning("request stopped: %s", e)
     elif e.kind == "internal":
