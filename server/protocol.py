@@ -27,6 +27,8 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False), "suffix": (None, ""), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
+    # llama.cpp's top-level constraint fields: the constraint goes in `structured_outputs`
+    "grammar": (None,), "json_schema": (None,), "regex": (None,),
 }
 # vLLM's older structured-output fields, mapped onto `structured_outputs`' kinds.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -58,8 +60,10 @@ def refuse_unimplemented(body: _Sampling) -> None:
     for key, noop in UNIMPLEMENTED.items():
         v = extra.get(key)
         if key in extra and not any(v == n and type(v) is type(n) or v is n for n in noop):
+            hint = (f"; give it as structured_outputs: {{\"{key.replace('json_schema', 'json')}"
+                    "\": ...}" if key in ("grammar", "json_schema", "regex") else "; remove it")
             raise bad_request(f"'{key}' is not supported by this server (it would change the "
-                              "output, so it is not ignored); remove it", key,
+                              f"output, so it is not ignored){hint}", key,
                               "unsupported_parameter")
 
 

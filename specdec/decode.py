@@ -66,7 +66,8 @@ class GrammarTooComplex(SpecdecError):
 
 # llguidance reports its parser limits only as text (no error kinds): these are its messages
 # for them (its lexer fuel, Earley items per row, lexer states, grammar size).
-LIMIT_MESSAGES = ("items; max is", "Too many items", "fuel exhausted", "lex fuel", "relevance check fuel",
+LIMIT_MESSAGES = ("items; max is", "Too many items", "fuel exhausted", "lex fuel",
+                  "relevance check fuel",
                   "lexer configuration (grammar) too big", "too many expressions constructed")
 
 

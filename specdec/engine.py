@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import reprlib
 import secrets
 import threading
 import weakref
@@ -618,11 +619,11 @@ class Engine:
                                code="kv_budget_exceeded")
         bad = [t for t in prompt_ids if not (0 <= int(t) < self.target.vocab_size)]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside [0, "
+            raise RequestError(f"prompt token id {reprlib.repr(int(bad[0]))} is outside [0, "
                                f"{self.target.vocab_size})", param="messages")
         bad = [t for t, _ in sampling.logit_bias if t >= self.target.vocab_size]
         if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is outside [0, "
+            raise RequestError(f"logit_bias token id {reprlib.repr(int(bad[0]))} is outside [0, "
                                f"{self.target.vocab_size})", param="sampling.logit_bias")
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings", param="stop")

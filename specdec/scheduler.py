@@ -180,8 +180,8 @@ class Scheduler:
 
     def _check_room(self) -> None:
         """(the caller holds `_cv`)"""
-        if self.fatal is not None:
-            raise SchedulerStopped(f"the server stopped after a fatal error: {self.fatal}")
+        if self.fatal is not None:  # its text is in the server log, not for clients
+            raise SchedulerStopped("the server stopped after a fatal error; see its log")
         if self._stop:
             raise SchedulerStopped("the engine's scheduler has stopped")
         # A request whose caller left while it waited gives its place back now, not when
@@ -282,8 +282,8 @@ class Scheduler:
                 return False  # aborted from outside while the round was stuck
             log.exception("scheduler round failed")
             if self.publish is not None:  # the replicas may have diverged: stop
-                e = SchedulerStopped(f"the sharded target failed ({e}); this server "
-                                     "is stopping")
+                log.error("the sharded target failed: %s; this server is stopping", e)
+                e = SchedulerStopped("the sharded target failed; this server is stopping")
             err = e if isinstance(e, SpecdecError) else InternalError(
                 f"a decode round failed: {e}")
             for t in list(self._active):

@@ -170,7 +170,8 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
            index: NgramIndex | None = None, run_on: bool = True,
            space: np.ndarray | None = None, row0: np.ndarray | None = None,
-           budget_s: float | None = None) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
+           budget_s: float | None = None
+           ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
 

@@ -116,6 +116,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize("param,value", [
     ("presence_penalty", 0.5), ("frequency_penalty", 1),
     ("repetition_penalty", 1.1), ("min_p", 0.1), ("functions", [TOOL["function"]]),
+    ("grammar", 'start: "a"'),  # llama.cpp's top-level field: ours is structured_outputs
 ])
 def test_a_parameter_we_do_not_implement_is_a_400_naming_it(server, param, value):
     err = error_of(post(server, {"messages": MSG, "max_tokens": 3, param: value}), 400)
