@@ -1,0 +1,64 @@
+"""The adversarial corpus (tests/adversarial.py) against one server on the embedded model,
+served in process with the serving defaults: every hostile request is answered with a 4xx in
+its API's error shape or a 200 bounded by its small max_tokens, never a 5xx, and within a
+client's timeout; afterwards the server still serves a normal request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+
+from tests import tally
+from tests.adversarial import ENTRIES, Entry, judge
+from tests.serverproc import serve_app
+
+# A client's patience: generous for a shared 2-core machine (every entry is small work), and
+# what stands between a stalled request and a hung suite.
+CLIENT_TIMEOUT_S = 60.0
+SECONDS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def server(served_models):
+    s = serve_app(models=served_models)
+    # The in-process answer arrives whole: a request that never ends is waited for in a
+    # thread of this pool for CLIENT_TIMEOUT_S, then left behind.
+    pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="adversarial")
+    yield s, pool
+    slowest = sorted(SECONDS.items(), key=lambda kv: -kv[1])[:3]
+    tally.NOTES.append(f"adversarial corpus: {len(SECONDS)} entries in "
+                       f"{sum(SECONDS.values()):.0f}s, slowest " +
+                       ", ".join(f"{name} {s:.1f}s" for name, s in slowest))
+    pool.shutdown(wait=False, cancel_futures=True)
+    s.stop()
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_hostile_request_is_a_4xx_or_a_bounded_200(server, entry: Entry):
+    s, pool = server
+    t0 = time.perf_counter()
+    answer = pool.submit(s.http.post, entry.path, content=entry.content,
+                         headers={"Content-Type": "application/json"})
+    try:
+        r = answer.result(timeout=CLIENT_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        pytest.fail(f"{entry.name} ({entry.why}): no answer within {CLIENT_TIMEOUT_S:.0f}s "
+                    f"(expected {entry.expect})")
+    except Exception as e:  # the ASGI transport re-raises what the app did not handle
+        pytest.fail(f"{entry.name} ({entry.why}): the app raised {e!r} (a 500 on a real "
+                    f"server; expected {entry.expect})")
+    finally:
+        SECONDS[entry.name] = time.perf_counter() - t0
+    problem = judge(entry, r.status_code, r.text)
+    assert problem is None, f"{entry.name} ({entry.why}): {problem}"
+
+
+def test_the_server_still_serves_after_the_corpus(server):
+    s, pool = server
+    r = pool.submit(s.http.post, "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4,
+        "temperature": 0}).result(timeout=CLIENT_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 4
