@@ -206,7 +206,7 @@ ENTRIES: tuple[Entry, ...] = (
           "an exponentially ambiguous Lark grammar, a few tokens", grammar(AMBIGUOUS)),
     Entry("grammar_ambiguous_long", "chat", ok_or(TOO_COMPLEX),
           "the same grammar, the end of output banned: its masks grow with every token",
-          grammar(AMBIGUOUS, max_tokens=64, logit_bias=NO_EOS)),
+          grammar(AMBIGUOUS, max_tokens=32, logit_bias=NO_EOS)),
     Entry("grammar_ambiguous_stream", "chat", ok_or(TOO_COMPLEX),
           "the same, streamed: a failure is an error event",
           grammar(AMBIGUOUS, max_tokens=16, logit_bias=NO_EOS, stream=True,
