@@ -1,7 +1,9 @@
 """A bounded load-and-fault run against the real server: many clients sending a mix of
 constrained, unconstrained, streaming, seeded and completion requests, interleaved with bad
 requests, clients that leave mid-stream or mid-generation, and enough load to hit the queue
-bound. Used by tests/test_load.py (CI size) and bench/test_load.py (the report's figures).
+bound; optionally the adversarial corpus (tests/adversarial.py) as a share of the mix, each
+entry judged as tests/test_adversarial.py judges it. Used by tests/test_load.py (CI size) and
+bench/test_load.py (the report's figures, with the corpus).
 
 Clients behave like the `openai` client: a 503 (queue full) is retried after its
 Retry-After, up to 5 times. Every request gets exactly one outcome; a 5xx, a hang or an
@@ -21,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
+
+from tests import adversarial
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "n": {"type": "integer"}},
@@ -42,6 +46,7 @@ class LoadReport:
     lost: list[str] = field(default_factory=list)
     rss_growth_mb: float = 0.0
     seconds: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)  # the normal requests' 200s
 
 
 def _rss_mb(pid: int) -> float:
@@ -50,6 +55,18 @@ def _rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _retrying(send, report: LoadReport, lock: threading.Lock) -> httpx.Response:
+    """Send; on 503 wait Retry-After and send again (RETRIES times at most)."""
+    for _ in range(RETRIES):
+        r = send()
+        if r.status_code != 503:
+            return r
+        with lock:
+            report.queue_full += 1
+        time.sleep(float(r.headers.get("retry-after", "1")))
+    return r
 
 
 def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: threading.Lock
@@ -63,16 +80,9 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
             report.server_errors.append(f"{kind}: {what}")
 
     def retrying(send):
-        """Send; on 503 wait Retry-After and send again (RETRIES times at most)."""
-        for _ in range(RETRIES):
-            r = send()
-            if r.status_code != 503:
-                return r
-            with lock:
-                report.queue_full += 1
-            time.sleep(float(r.headers.get("retry-after", "1")))
-        return r
+        return _retrying(send, report, lock)
 
+    t0 = time.perf_counter()
     chat = url + "/v1/chat/completions"
     body: dict = {"messages": MSG, "max_tokens": rng.choice([6, 12, 20]), "temperature": 0}
     if kind in ("constrained", "stream", "seeded", "leave_stream"):
@@ -81,9 +91,13 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
     if kind == "seeded":
         body.update(temperature=0.8, seed=rng.randrange(1 << 30))
     try:
+        # A full queue answers 503 before a body is read, bad or not: retried like any.
         if kind == "bad_json":
-            r = httpx.post(chat, content=b'{"messages": [', timeout=300,
-                           headers={"Content-Type": "application/json"})
+            r = retrying(lambda: httpx.post(chat, content=b'{"messages": [', timeout=300,
+                                            headers={"Content-Type": "application/json"}))
+            if r.status_code == 503:
+                out("503")
+                return
             out("400" if r.status_code == 400 else f"unexpected {r.status_code}")
             if r.status_code != 400:
                 fail(f"bad JSON gave {r.status_code}")
@@ -92,7 +106,10 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
             bad = {"presence_penalty": 0.5} if kind == "bad_param" else {"response_format": {
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {
                     "type": "string", "pattern": "(?<=a)b"}}}}
-            r = httpx.post(chat, json={**body, **bad}, timeout=300)
+            r = retrying(lambda: httpx.post(chat, json={**body, **bad}, timeout=300))
+            if r.status_code == 503:
+                out("503")
+                return
             out("400" if r.status_code == 400 else f"unexpected {r.status_code}")
             if r.status_code != 400:
                 fail(f"{bad} gave {r.status_code}: {r.text[:200]}")
@@ -135,11 +152,37 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
                 fail(f"answer breaks its schema: {got}")
                 return
         out("200")
+        with lock:
+            report.latencies_s.append(time.perf_counter() - t0)
     except httpx.TimeoutException as e:
         with lock:
             report.lost.append(f"{kind}: client timed out ({e!r})")
     except (httpx.HTTPError, ValueError, KeyError) as e:
         fail(f"{type(e).__name__}: {e}")
+
+
+def _hostile(url: str, entry: adversarial.Entry, report: LoadReport, lock: threading.Lock
+             ) -> None:
+    """One corpus entry, retried on 503 like every client; its answer judged as the
+    corpus says (a 4xx or a bounded 200), a wrong one counted with the 5xx."""
+    try:
+        r = _retrying(lambda: httpx.post(url + entry.path, content=entry.content, timeout=300,
+                                         headers={"Content-Type": "application/json"}),
+                      report, lock)
+        problem = adversarial.judge(entry, r.status_code, r.text)
+        with lock:
+            if r.status_code == 503:
+                report.outcomes["503"] += 1  # refused after every retry
+            elif problem is not None:
+                report.server_errors.append(f"adversarial {entry.name}: {problem}")
+            else:
+                report.outcomes[f"adversarial {r.status_code}"] += 1
+    except httpx.TimeoutException as e:
+        with lock:
+            report.lost.append(f"adversarial {entry.name}: client timed out ({e!r})")
+    except httpx.HTTPError as e:
+        with lock:
+            report.server_errors.append(f"adversarial {entry.name}: {type(e).__name__}: {e}")
 
 
 def _read_stream(r, kind, out, fail, report, lock) -> None:
@@ -165,11 +208,16 @@ def _read_stream(r, kind, out, fail, report, lock) -> None:
     out("200")
 
 
-def run(server, clients: int = 16, requests: int = 200, seed: int = 0) -> LoadReport:
+def run(server, clients: int = 16, requests: int = 200, seed: int = 0,
+        hostile: int = 0) -> LoadReport:
     """Drive `server` (tests.serverproc.Server) with `requests` requests from `clients`
-    threads; returns the outcome counts, failures and the server's RSS growth."""
+    threads, `hostile` of them corpus entries (every entry in turn); returns the outcome
+    counts, failures and the server's RSS growth."""
     rng = random.Random(seed)
-    kinds = [KINDS[i % len(KINDS)] for i in range(requests)]
+    entries = adversarial.ENTRIES
+    kinds: list[str | adversarial.Entry] = [KINDS[i % len(KINDS)]
+                                            for i in range(requests - hostile)]
+    kinds += [entries[i % len(entries)] for i in range(hostile)]
     rng.shuffle(kinds)
     report = LoadReport(requests=requests)
     lock = threading.Lock()
@@ -179,9 +227,15 @@ def run(server, clients: int = 16, requests: int = 200, seed: int = 0) -> LoadRe
     rss0 = _rss_mb(server.proc.pid)
     t0 = time.perf_counter()
     seeds = [rng.randrange(1 << 30) for _ in kinds]
+
+    def client(kind: str | adversarial.Entry, seed: int) -> None:
+        if isinstance(kind, adversarial.Entry):
+            _hostile(server.url, kind, report, lock)
+        else:
+            _one(server.url, kind, random.Random(seed), report, lock)
+
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(lambda ks: _one(server.url, ks[0], random.Random(ks[1]), report, lock),
-                      zip(kinds, seeds)))
+        list(pool.map(client, kinds, seeds))
     report.seconds = time.perf_counter() - t0
     # Everything accepted has ended: nothing active, nothing queued.
     deadline = time.time() + 60
