@@ -34,7 +34,7 @@ from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Strict, Validatio
                       ValidationInfo)
 from pydantic_core import PydanticCustomError
 
-from specdec.decode import GrammarStateError, GrammarTooComplex
+from specdec.decode import GrammarRefused, GrammarStateError
 from specdec.engine import Engine, Request
 from specdec.errors import RequestError, SpecdecError
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
@@ -426,7 +426,7 @@ def log_failure(req: Request, e: SpecdecError) -> None:
         log.error("grammar state error at output token %s (ref %s): %.*s\nconstraint: %.*s\n"
                   "grammar: %.*s", e.position, ref_of(e), LOG_LIMIT, e.detail or e, LOG_LIMIT,
                   req.constraint, LOG_LIMIT, g.text if g else None)
-    elif isinstance(e, GrammarTooComplex):  # the client's grammar: one short line
+    elif isinstance(e, GrammarRefused):  # the client's grammar: one short line
         log.warning("request stopped: %s; constraint: %.*s", e, LOG_LIMIT,
                     str(req.constraint).replace("\n", " "))
     elif e.kind == "timeout":

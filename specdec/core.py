@@ -41,7 +41,8 @@ from collections.abc import Generator, Sequence
 
 import llguidance.numpy as llnp
 
-from .decode import (FinishReason, GrammarStateError, GrammarTooComplex, PromptKVCache,
+from .decode import (FinishReason, GrammarRefused, GrammarStateError, GrammarTooComplex,
+                     PromptKVCache,
                      TokenId, check_matcher, grammar_failure)
 from .decode import PREFILL_CHUNK
 from .decode import prefill as prefill_tokens
@@ -437,7 +438,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         try:
             bitmask, n_ok = verify_masks(s.matcher, props[i], s.eos, models.vocab_size,
                                          s.emitted, rows.get(id(s)), s.stats, in_round)
-        except (GrammarStateError, GrammarTooComplex) as e:
+        except (GrammarStateError, GrammarRefused) as e:
             s.error = e
             continue
         if n_ok < len(props[i]):
@@ -600,7 +601,7 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
             s.matcher.consume_token(t)
             try:
                 check_matcher(s.matcher, s.emitted)
-            except (GrammarStateError, GrammarTooComplex) as e:
+            except (GrammarStateError, GrammarRefused) as e:
                 s.error = e
                 return
         if t in s.eos:

@@ -45,7 +45,32 @@ class GrammarStateError(SpecdecError, RuntimeError):
         self.detail = detail
 
 
-class GrammarTooComplex(SpecdecError):
+class GrammarRefused(SpecdecError):
+    """The request's grammar, not our code, stopped it mid-generation (a 4xx): it costs too
+    much (`GrammarTooComplex`) or it cannot be completed (`GrammarDeadEnd`). Nothing past
+    that point is emitted.
+
+    Attributes:
+        position: output tokens emitted before the stop.
+    """
+
+    position: int | None = None
+
+
+class GrammarDeadEnd(GrammarRefused):
+    """The grammar allows no token (not even the end) after output it allowed: it has a
+    dead end (`start: "ab" /[^\\s\\S]/`). Compile-time probing sees only the first mask."""
+
+    code = "invalid_grammar"
+
+    def __init__(self, *, position: int | None = None, param: str = "constraint") -> None:
+        where = f" after output token {position}" if position is not None else ""
+        super().__init__(f"the grammar allows no continuation{where} (not even the end of "
+                         "the output): it has a dead end", param=param)
+        self.position = position
+
+
+class GrammarTooComplex(GrammarRefused):
     """The request's grammar costs more than its budget (`core.MaskBudget`), or it reached
     one of llguidance's parser limits (`grammar.PARSER_LIMITS`): the request is stopped and
     nothing past that point is emitted. The client's grammar, not our fault: a 4xx.
@@ -72,10 +97,13 @@ LIMIT_MESSAGES = ("items; max is", "Too many items", "fuel exhausted", "lex fuel
 
 
 def grammar_failure(reason: str, *, detail: str, position: int | None
-                    ) -> "GrammarStateError | GrammarTooComplex":
+                    ) -> "GrammarStateError | GrammarRefused":
     """The error for a matcher that entered its error state: one of llguidance's parser
-    limits is the grammar's cost (`GrammarTooComplex`); anything else is a fault of ours."""
+    limits is the grammar's cost (`GrammarTooComplex`), an empty mask its dead end
+    (`GrammarDeadEnd`); anything else is a fault of ours."""
     first = detail.strip().splitlines()[0] if detail.strip() else ""
+    if first == "NoExtensionBias":  # llguidance: no token may follow (an empty mask)
+        return GrammarDeadEnd(position=position)
     if any(m in first for m in LIMIT_MESSAGES):
         return GrammarTooComplex(first.split("<state>")[0].strip()[:200], position=position)
     return GrammarStateError(reason, position=position, detail=detail)
