@@ -86,12 +86,15 @@ def test_concurrent_clients_of_mixed_kinds_get_what_each_gets_alone(server):
 def test_full_server_answers_503_with_retry_after_and_cancelled_slots_free_up(server):
     body = {"model": "default", "messages": [{"role": "user", "content": "Write a long story."}],
             "max_tokens": 400, "temperature": 0, "stream": True}
-    streams, clients = [], []
+    streams, clients, readers = [], [], []
     for _ in range(MAX_BATCH):  # hold every slot
         c = httpx.Client(base_url=server.url, timeout=120)
         s = c.stream("POST", "/v1/chat/completions", json=body)
         r = s.__enter__()
-        next(r.iter_lines())  # the request was accepted (submitted to the scheduler)
+        # The reader is kept: a line iterator dropped here would close its connection
+        # (httpcore closes a stream whose iterator is closed), and the client would leave.
+        readers.append(r.iter_lines())
+        next(readers[-1])  # the request was accepted (submitted to the scheduler)
         clients.append(c)
         streams.append(s)
     r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False},
