@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
     s.add_argument("--chat-template", metavar="FILE", default=None)
+    s.add_argument("--reasoning-format", default=None,
+                   help="the reasoning protocol thinking requests follow: harmony, gemma, "
+                        "think, or a think tag such as '<seed:think>' (default: read from "
+                        "what the chat template renders)")
     s.add_argument("--compile-timeout", type=float, default=10.0,
                    help="seconds a request's grammar may take to compile before it is a 400")
     s.add_argument("--max-batch", type=int, default=8,
@@ -154,6 +158,18 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "forward instead of feeding runs of grammar-forced tokens at once")
 
 
+def _reasoning_format(name: str | None) -> str | None:
+    if name is not None:
+        from .chat import protocol_named
+        from .errors import RequestError
+
+        try:
+            protocol_named(name)
+        except RequestError as e:
+            raise SystemExit(f"specdec: error: --reasoning-format: {e}")
+    return name
+
+
 def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) -> Any:
     """Load the target (and draft) named on the command line into an Engine (the target
     sharded over `shard_group` when given; the draft whole on every rank)."""
@@ -188,7 +204,8 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
         max_thinking_tokens=args.max_thinking_tokens if serving else EngineDefaults().
         max_thinking_tokens,
         compile_timeout_s=args.compile_timeout if serving else None,
-        chat_template=Path(template).read_text() if template else None)
+        chat_template=Path(template).read_text() if template else None,
+        reasoning_format=_reasoning_format(getattr(args, "reasoning_format", None)))
     kv: Any = getattr(args, "max_kv_tokens", "auto")
     if kv not in ("auto", "none"):
         try:

@@ -73,12 +73,16 @@ class EngineDefaults:
             half its max_tokens).
         compile_timeout_s: most seconds a constraint may take to compile (None: no limit).
         chat_template: a Jinja template overriding the model's.
+        reasoning_format: the reasoning protocol thinking requests follow (`chat.
+            protocol_named`: harmony, gemma, think, or a think tag) instead of the one read
+            from the rendered template.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_thinking_tokens: int = 1024
     compile_timeout_s: float | None = None
     chat_template: str | None = None
+    reasoning_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -348,11 +352,13 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, constrained: bool,
                     template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[TokenId]:
-        """Render chat messages with the model's template and tokenize them."""
+                    template_kwargs: dict[str, Any] | None = None,
+                    answer_header: bool = True) -> list[TokenId]:
+        """Render chat messages with the model's template and tokenize them
+        (`chat.render_chat`)."""
         text = render_chat(self.target.tokenizer, messages, constrained=constrained,
                            template=template or self.defaults.chat_template,
-                           template_kwargs=template_kwargs)
+                           template_kwargs=template_kwargs, answer_header=answer_header)
         return self.encode(text)
 
     def chat_prompt_thinking(self, messages: list[dict[str, Any]], *,
@@ -363,12 +369,18 @@ class Engine:
         tokenize; returns the ids and the think block to pass to `prepare`."""
         text, thinking = render_thinking(self.target.tokenizer, messages,
                                          template=template or self.defaults.chat_template,
-                                         template_kwargs=template_kwargs, budget=budget)
+                                         template_kwargs=template_kwargs, budget=budget,
+                                         protocol=self.defaults.reasoning_format)
         return self.encode(text), thinking
 
     def reasoning_tokens(self, tokens: Sequence[TokenId], thinking: Thinking) -> int:
         """How many of an output's tokens belong to its think block (through the end
-        marker; all of them while it has not ended)."""
+        marker; all of them while it has not ended; none on the branch that answers at
+        once)."""
+        if thinking.open is not None and thinking.direct is not None:
+            text = self.decode_text(tokens)
+            if not text.startswith(thinking.open) and not thinking.open.startswith(text):
+                return 0
         ids, special = marker_ids(self.compiler.tokenizer, thinking.close)
         if special:
             return next((i + 1 for i, t in enumerate(tokens) if t == ids[0]), len(tokens))
@@ -430,6 +442,8 @@ class Engine:
             kwargs = dict(r.template_kwargs)
             if r.reasoning_effort is not None:
                 kwargs.setdefault("reasoning_effort", r.reasoning_effort)
+            if r.thinking and r.thinking_budget is not None:  # Seed-OSS reads it
+                kwargs.setdefault("thinking_budget", r.thinking_budget)
             schemas = [tool_schema(t) for t in tools]
             turns = [msgs]
             if fmt is not None and fmt.source == "generic":
@@ -445,7 +459,8 @@ class Engine:
                         ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
                     else:
                         ids = self.chat_prompt(msgs, constrained=constrained,
-                                               template_kwargs=kwargs)
+                                               template_kwargs=kwargs,
+                                               answer_header=not tools)
                     break
                 except ChatTemplateError:
                     if n == len(turns) - 1:

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import SpecdecError
 from .events import (Event, Failed, FinishReason, Finished, GenerationStats, ReasoningDelta,
                      TextDelta, TokenId, TokenLogprob, ToolCall, ToolCallDelta, Usage)
-from .reasoning import SEPARATOR, ReasoningDeltas, Thinking, split_reasoning
+from .reasoning import ReasoningDeltas, Thinking, reasoning_bounds, split_reasoning
 from .speculative import SpecStats
 from .tools import ID, CallParser
 
@@ -22,8 +22,8 @@ from .tools import ID, CallParser
 class TextStream:
     """Token ids → text deltas for one request, applying its stop strings.
 
-    With `answer_after` (a thinking request: its end marker and separator), stop strings
-    apply to the answer only, never to the thinking before it.
+    With `thinking` (a reasoning request's protocol), stop strings apply to the answer only,
+    never to the reasoning before it.
 
     Incremental: each token decodes a short window (the tokens since the last stable point
     plus the few before it, as their context), so a long output costs O(n), not O(n²). Text
@@ -37,10 +37,10 @@ class TextStream:
     tokens that begin before it (`kept`).
     """
 
-    def __init__(self, decode: Any, stop: Sequence[str], answer_after: str | None = None,
+    def __init__(self, decode: Any, stop: Sequence[str], thinking: Thinking | None = None,
                  calls_from: Sequence[str] = ()) -> None:
         self._decode, self._stop = decode, tuple(stop)
-        self._after = answer_after  # stop strings apply only after it (a think block's end)
+        self._thinking = thinking  # stop strings apply only in the answer after it
         self._calls_from = tuple(c for c in calls_from if c)  # ... and never inside calls
         self._hold = max((len(x) for x in stop), default=0)
         self.tokens: list[TokenId] = []
@@ -66,11 +66,11 @@ class TextStream:
         if self._recheck is not None:  # a hit that waited for possible call markup
             start, self._recheck = min(start, self._recheck), None
         answer = 0
-        if self._after is not None:
-            at = self._text.find(self._after)
-            if at < 0:
+        if self._thinking is not None:
+            at = reasoning_bounds(self._text, self._thinking)[2]
+            if at is None:
                 return False
-            answer = at + len(self._after)
+            answer = at
             start = max(start, answer)
         limit = min((at for at in (self._text.find(c, answer) for c in self._calls_from)
                      if at >= 0), default=None)
@@ -143,8 +143,7 @@ class Output:
         starts = ((fmt.marker, fmt.first) + ((fmt.text_open + fmt.after_text.split(ID)[0],)
                                               if fmt.after_text is not None else ())
                   if fmt else ())
-        self.text = TextStream(decode, stop, thinking.close + SEPARATOR if thinking else None,
-                               calls_from=starts)
+        self.text = TextStream(decode, stop, thinking, calls_from=starts)
         self.sink, self.thinking, self.calls = sink, thinking, calls
         self.split = ReasoningDeltas(thinking) if thinking is not None else None
         self._reasoning_tokens = reasoning_tokens

@@ -1,54 +1,120 @@
 """Think, then answer under the constraint: one grammar from the first token to the last.
 
-A reasoning request's grammar is the think block (free text up to the template's
-end-of-thinking marker, which the text itself may not contain), a fixed separator, then the
-request's constraint (`think_grammar`). Every decode path masks with that one matcher, so
-forced tokens, prompt lookup and draft proposals cross the end of thinking like any other
-position, and speculative output stays plain output.
+A reasoning protocol is data (`Thinking`): the marker that opens the reasoning (unless the
+prompt already did), the marker that ends it, the header between its end and the answer,
+and, where the model may answer without reasoning, that answer's own header. `think_grammar`
+turns any of them plus the request's constraint into one grammar for the whole output:
+[open] reasoning text, end marker, header, then the constraint; or the direct header, then
+the constraint. Every decode path masks with that one matcher, so forced tokens, prompt
+lookup and draft proposals cross the end of reasoning like any other position, and
+speculative output stays plain output.
+
+The formats (`PROTOCOLS`): the think-tag family (`<think>` ... `</think>` as Qwen 3, DeepSeek
+R1 / V3.1, GLM, Kimi and MiniMax write it; Seed-OSS's `<seed:think>`; any `<think...>` tag
+with a suffix, whose close repeats it), Gemma's channel (`<|channel>thought` ... `<channel|>`)
+and OpenAI Harmony (the `analysis` channel ended by `<|end|>`, then the `final` channel's
+header). `chat.render_thinking` picks one from what the rendered template writes.
 
 The thinking budget is the one rule outside the grammar (llguidance's own `max_tokens`
 disables the rollback speculation needs): `ThinkingMatcher` wraps the request's matcher and,
-once `budget` output tokens were spent inside the think block, allows only the end marker's
-tokens, one by one; the grammar allows them there, so the answer follows as usual.
+once `budget` output tokens were spent inside the reasoning, allows only the end marker's
+tokens, one by one; the grammar allows them there, so the header and answer follow as usual.
 
-Markers: when the marker is a single token of the vocabulary (Qwen 3, DeepSeek-R1: added
-tokens), the grammar names that token; otherwise the marker is text.
+Markers are token sequences: a special token of the vocabulary is named in the grammar by id
+(`<|end|>`, or `</think>` where it is one added token), the rest as text.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-SEPARATOR = "\n\n"  # between the end of thinking and the answer (Qwen 3's and R1's format)
+SEPARATOR = "\n\n"  # the think-tag family's header: between `</think>` and the answer
 
 
 @dataclass(frozen=True)
 class Thinking:
-    """How a request thinks before its constrained answer.
+    """How a request reasons before its (constrained) answer: one reasoning protocol.
 
     Attributes:
-        close: the end-of-thinking marker (`</think>`).
-        open: the marker the output must start with, or None when the prompt already opened
-            the think block (the template's generation prompt ends inside it).
-        budget: most output tokens inside the think block before the end marker is forced
+        close: the end-of-reasoning marker (`</think>`, Harmony's `<|end|>`).
+        open: the marker the output must start its reasoning with, or None when the prompt
+            already opened it (the template's generation prompt ends inside it).
+        budget: most output tokens inside the reasoning before the end marker is forced
             (None: no limit but max_tokens).
+        header: what the output writes between the end marker and the answer (the
+            think-tag family's blank line, Harmony's final-channel header).
+        direct: where the output opens the reasoning and may instead answer at once, the
+            answer's header on that branch (Harmony's `<|channel|>final<|message|>`; "" for
+            an answer straight away); None: the output must reason first.
+        name: the protocol's name (`PROTOCOLS`).
     """
 
     close: str
     open: str | None = None
     budget: int | None = None
+    header: str = SEPARATOR
+    direct: str | None = None
+    name: str = "think"
 
     def __post_init__(self) -> None:
         if not self.close:
             raise ValueError("the end-of-thinking marker must be non-empty")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 0):
             raise ValueError(f"thinking budget {self.budget!r}: must be an integer >= 0")
+        if self.direct is not None and self.open is None:
+            raise ValueError("an answer without reasoning needs the output to open it")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A reasoning format's spelling: its markers, the header before the answer after
+    reasoning (`after`), and the answer's header without reasoning (`direct`) where the
+    output may skip it."""
+
+    name: str
+    open: str
+    close: str
+    after: str
+    direct: str | None
+
+
+HARMONY = Protocol("harmony", "<|channel|>analysis<|message|>", "<|end|>",
+                   "<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>")
+GEMMA = Protocol("gemma", "<|channel>thought", "<channel|>", "", "")
+# Think tags: `<think>`, Seed-OSS's `<seed:think>`, a suffixed `<think:S>` (its close repeats
+# the suffix) and the older spellings; an answer may follow at once where the output opens.
+THINK_TAG = re.compile(r"<((?:seed:)?think(?:[:_\-][^<>\s]{1,32})?|thinking|reasoning)>")
+OTHER_TAGS = (("<|begin_of_thought|>", "<|end_of_thought|>"),)
+
+
+def think_tag(open_marker: str) -> Protocol:
+    """The think-tag protocol of an open tag (`<think>` → `</think>`)."""
+    m = THINK_TAG.fullmatch(open_marker)
+    close = f"</{m.group(1)}>" if m else dict(OTHER_TAGS)[open_marker]
+    return Protocol("think", open_marker, close, SEPARATOR, "")
+
+
+def find_protocol(*rendered: str) -> Protocol | None:
+    """The reasoning protocol whose markers the rendered texts (a template's output, never
+    its source) write, or None: Harmony's channels, Gemma's, else the first think tag."""
+    text = "".join(rendered)
+    if HARMONY.open in text or "<|channel|>final<|message|>" in text:
+        return HARMONY
+    if GEMMA.open in text or GEMMA.close in text:
+        return GEMMA
+    hits = [(m.start(), m.group(0)) for m in THINK_TAG.finditer(text)]
+    hits += [(text.find(o), o) for o, _ in OTHER_TAGS if o in text]
+    if hits:
+        return think_tag(min(hits)[1])
+    closes = [m for m in re.finditer(r"</((?:seed:)?think[^<>\s]{0,33})>", text)]
+    return think_tag(f"<{closes[0].group(1)}>") if closes else None
 
 
 def marker_ids(tokenizer: LLTokenizer, marker: str) -> tuple[tuple[int, ...], bool]:
@@ -58,9 +124,21 @@ def marker_ids(tokenizer: LLTokenizer, marker: str) -> tuple[tuple[int, ...], bo
     return ids, len(ids) == 1 and tokenizer.is_special_token(ids[0])
 
 
-def _lark_marker(tokenizer: LLTokenizer, marker: str) -> str:
-    ids, special = marker_ids(tokenizer, marker)
-    return f"<[{ids[0]}]>" if special else json.dumps(marker)
+def _lark_seq(tokenizer: LLTokenizer, text: str) -> str:
+    """A marker as a Lark sequence: its special tokens by id, the text between as strings."""
+    parts: list[str] = []
+    run: list[int] = []
+    for t in tokenizer.tokenize_str(text):
+        if tokenizer.is_special_token(t):
+            if run:
+                parts.append(json.dumps(tokenizer.decode_bytes(run).decode("utf-8")))
+                run = []
+            parts.append(f"<[{t}]>")
+        else:
+            run.append(t)
+    if run:
+        parts.append(json.dumps(tokenizer.decode_bytes(run).decode("utf-8")))
+    return " ".join(parts)
 
 
 def _regex_literal(text: str) -> str:
@@ -69,21 +147,27 @@ def _regex_literal(text: str) -> str:
 
 
 def think_grammar(answer: str, thinking: Thinking, tokenizer: LLTokenizer) -> str:
-    """The llguidance grammar (TopLevelGrammar JSON) for: [open marker] thinking text, end
-    marker, SEPARATOR, then the `answer` grammar (any text `to_grammar` returns)."""
+    """The llguidance grammar (TopLevelGrammar JSON) for: [open marker] reasoning text, end
+    marker, header, then the `answer` grammar (any text `to_grammar` returns); or, where the
+    protocol allows an answer without reasoning, its direct header, then the answer."""
     text = answer.strip()
     subs = json.loads(text)["grammars"] if text.startswith("{") else [{"lark_grammar": answer}]
     names = {g.get("name") for g in subs[1:]}
     name = next(n for n in ("answer", "answer_", "answer__", "_answer") if n not in names)
     close = _regex_literal(thinking.close)
-    opener = _lark_marker(tokenizer, thinking.open) + " " if thinking.open else ""
+    opener = _lark_seq(tokenizer, thinking.open) + " " if thinking.open else ""
     if marker_ids(tokenizer, thinking.close)[1]:  # text without the marker, then its token
-        think = (f"THINK {_lark_marker(tokenizer, thinking.close)}\n"
+        think = (f"THINK {_lark_seq(tokenizer, thinking.close)}\n"
                  f"THINK: /(?s:.*)/ & ~/(?s:.*){close}(?s:.*)/\n")
     else:  # the shortest text that ends with the marker
         think = f"think\nthink[lazy]: /(?s:.*){close}/\n"
     first, _, rest = think.partition("\n")
-    lark = f"start: {opener}{first} {json.dumps(SEPARATOR)} @{name}\n{rest}"
+    header = _lark_seq(tokenizer, thinking.header) + " " if thinking.header else ""
+    branches = [f"{opener}{first} {header}@{name}"]
+    if thinking.direct is not None:
+        direct = _lark_seq(tokenizer, thinking.direct) + " " if thinking.direct else ""
+        branches.append(f"{direct}@{name}")
+    lark = f"start: {' | '.join(branches)}\n{rest}"
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**subs[0], "name": name},
                                     *subs[1:]]})
 
@@ -190,21 +274,44 @@ class ThinkingMatcher:
         return getattr(self.inner, name)
 
 
-def split_reasoning(text: str, thinking: Thinking) -> tuple[str, str | None]:
-    """An output's (reasoning, answer): the text between the markers, and the text after the
-    end marker and separator (None while thinking has not ended)."""
-    if thinking.open and text.startswith(thinking.open):
-        text = text[len(thinking.open):]
-    at = text.find(thinking.close)
+def reasoning_bounds(text: str, thinking: Thinking) -> tuple[int, int, int | None]:
+    """Where an output's reasoning lies and its answer begins, along the grammar's branches:
+    (reasoning start, reasoning end, answer start or None while it has not begun). After the
+    open marker (or from the start, where the prompt opened it) the reasoning runs to the end
+    marker, which the grammar keeps out of it, and the answer follows the header; on the
+    direct branch the answer follows its header and the reasoning is empty. An unfinished
+    marker or header is neither reasoning nor answer."""
+    start = 0
+    if thinking.open is not None:
+        if text.startswith(thinking.open):
+            start = len(thinking.open)
+        elif thinking.open.startswith(text) or (
+                thinking.direct is not None and thinking.direct.startswith(text)):
+            return 0, 0, None  # which branch is not yet known
+        elif thinking.direct is not None and text.startswith(thinking.direct):
+            return 0, 0, len(thinking.direct)
+    at = text.find(thinking.close, start)
     if at < 0:  # still thinking (or cut): a partial end marker is not reasoning
-        for k in range(min(len(thinking.close) - 1, len(text)), 0, -1):
-            if text.endswith(thinking.close[:k]):
-                return text[:-k], None
-        return text, None
-    rest = text[at + len(thinking.close):]
-    if rest.startswith(SEPARATOR):
-        return text[:at], rest[len(SEPARATOR):]
-    return text[:at], "" if SEPARATOR.startswith(rest) else rest
+        return start, len(text) - _suffix_prefix(text[start:], thinking.close), None
+    rest = at + len(thinking.close)
+    if text.startswith(thinking.header, rest):
+        return start, at, rest + len(thinking.header)
+    return start, at, len(text) if thinking.header.startswith(text[rest:]) else rest
+
+
+def split_reasoning(text: str, thinking: Thinking) -> tuple[str, str | None]:
+    """An output's (reasoning, answer) (`reasoning_bounds`); the answer is None while it has
+    not begun."""
+    r0, r1, a = reasoning_bounds(text, thinking)
+    return text[r0:r1], None if a is None else text[a:]
+
+
+def _suffix_prefix(text: str, marker: str) -> int:
+    """How many characters at the end of `text` are a proper start of `marker`."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
 
 
 class ReasoningDeltas:
@@ -220,7 +327,8 @@ class ReasoningDeltas:
         self.text += delta
         reasoning, answer = split_reasoning(self.text, self.thinking)
         if answer is None and not final:
-            hold = len(self.thinking.close) + len(self.thinking.open or "")
+            t = self.thinking
+            hold = len(t.close) + len(t.header) + len(t.open or "") + len(t.direct or "")
             reasoning = reasoning[:max(len(reasoning) - hold, self.sent_reasoning)]
         r = reasoning[self.sent_reasoning:]
         a = (answer or "")[self.sent_answer:]

@@ -48,7 +48,8 @@ FAMILIES = {"r1": ("r1_style.jinja", True), "qwen3": ("qwen3.jinja", True),
             "text-markers": ("r1_style.jinja", False)}
 # how thinking ends -> (budget, logit bias on the end marker token; None: the first of
 # NATURAL_BIASES with which the model ends its thought itself, after thinking a while)
-ENDS = {"at-once": (0, 0.0), "budget": (7, 0.0), "natural": (40, None)}
+ENDS = {"at-once": (0, 0.0), "budget": (7, 0.0), "natural": (40, None),
+        "skipped": (40, 0.0)}  # (only where the output opens the block and may skip it)
 NATURAL_BIASES = tuple(b / 2 for b in (0, -1, 1, -2, 2, -3, 3, -4, 4, -5, 5, -6, 6, 8, 10))
 
 
@@ -68,9 +69,12 @@ def models(tmp_path_factory):
 
 
 def parts(engine, result, thinking):
-    """A result's (reasoning, answer); the answer is None while thinking has not ended."""
-    ended = thinking.close in engine.decode_text(result.tokens)
-    return result.reasoning, result.text if ended else None
+    """A result's (reasoning, answer) as the protocol splits its text (the answer is None
+    while it has not begun; a stop string's cut applies), checked against what the result
+    reports."""
+    reasoning, answer = split_reasoning(engine.decode_text(result.tokens), thinking)
+    assert result.reasoning == reasoning
+    return reasoning, None if answer is None else result.text
 
 
 def test_think_markers_and_split():
@@ -109,6 +113,8 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
         if end == "natural" and len(close_ids) > 1:
             continue  # a text marker is not one token to bias towards
         ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
+        if end == "skipped" and thinking.direct is None:
+            continue
         assert (thinking.open is None) == (family != "qwen3")
         opener = 0 if thinking.open is None else len(
             e.compiler.tokenizer.tokenize_str(thinking.open))
@@ -117,22 +123,34 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
             """Ended by the model before the budget (after thinking a while, if `thought`)."""
             return opener + len(close_ids) - (not thought) < n < opener + (budget or 0)
 
+        open_id = e.compiler.tokenizer.tokenize_str(thinking.open)[0] if thinking.open else 0
         for mode, base in MODES.items():
-            # A natural end after some thinking if a bias gives one, else at the first
-            # position (a greedy random model repeats itself: the end comes at once or never).
+            # Where the model may answer at once (the output opens the block), a bias on the
+            # open marker makes it skip ("skipped") or reason (the first bias with which it
+            # opens). A natural end after some thinking if a bias gives one, else at the
+            # first position (a greedy random model repeats itself: the end comes at once or
+            # never).
+            opens = (0.0,) if thinking.direct is None else (-100.0,) if end == "skipped" \
+                else (0.0, 2.0, 4.0, 8.0, 16.0)
             tried = []
-            for b in (bias,) if bias is not None else NATURAL_BIASES:
-                params = dataclasses.replace(
-                    base, logit_bias=((close_ids[0], b),) if b else ())
-                want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
-                                            max_tokens=MAX_TOKENS, spec=None,
-                                            thinking=thinking))
-                n = e.reasoning_tokens(want.tokens, thinking)
-                tried.append((n, params, want))
-                if bias is not None or natural(n):
+            for ob in opens:
+                for b in (bias,) if bias is not None else NATURAL_BIASES:
+                    params = dataclasses.replace(base, logit_bias=tuple(
+                        (t, x) for t, x in ((close_ids[0], b), (open_id, ob)) if x))
+                    want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
+                                                max_tokens=MAX_TOKENS, spec=None,
+                                                thinking=thinking))
+                    n = e.reasoning_tokens(want.tokens, thinking)
+                    opened = thinking.open is None or tok.decode(
+                        list(want.tokens), skip_special_tokens=False).startswith(thinking.open)
+                    if opened == (end != "skipped"):
+                        tried.append((n, params, want))
+                        if bias is not None or natural(n):
+                            break
+                if tried and (bias is not None or natural(tried[-1][0])):
                     break
-            else:
-                n, params, want = next(x for x in tried if natural(x[0], thought=False))
+            n, params, want = tried[-1] if bias is not None or natural(tried[-1][0]) else \
+                next(x for x in tried if natural(x[0], thought=False))
             g = e.compiled(e.prepare(ids, constraint=constraint, thinking=thinking))
             rule = None if budget is None else ThinkingRule(
                 budget, close_ids, lambda toks: "</think>" in tok.decode(list(toks)),
@@ -157,6 +175,8 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
                 assert reasoning == "" and n_think == opener + len(close_ids), want.text
             elif end == "budget":
                 assert n_think == opener + budget + len(close_ids), (n_think, want.text)
+            elif end == "skipped":
+                assert reasoning == "" and n_think == 0, want.text
             else:
                 assert natural(n_think, thought=False), want.text
                 thought_first += natural(n_think)
@@ -176,7 +196,7 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
                     assert got.stats.counters.proposed > 0
     assert not bad, "\n".join(bad)
     assert seen_ends == ({"at-once", "budget", "natural"} if len(close_ids) == 1
-                         else {"at-once", "budget"})
+                         else {"at-once", "budget"}) | ({"skipped"} if family == "qwen3" else set())
     assert thought_first or len(close_ids) > 1, "no natural end came after some thinking"
 
 
@@ -185,7 +205,7 @@ def test_a_template_without_a_think_block_cannot_think(models, tmp_path):
 
     d = make_family("qwen3", tmp_path / "plain-chatml", scale=1.0)
     e = Engine(load(str(d)), None)
-    with pytest.raises(ThinkingUnsupportedError, match="no think block"):
+    with pytest.raises(ThinkingUnsupportedError, match="writes no reasoning markers"):
         e.chat_prompt_thinking(MESSAGES)
     e.chat_prompt(MESSAGES, constrained=True)  # not asking: unchanged
 
