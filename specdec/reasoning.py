@@ -177,7 +177,8 @@ class ThinkingMatcher:
     (`unsafe_compute_mask_ptr` for `llguidance.numpy`, `consume_token`, `deep_copy`, ...).
 
     Counts output tokens from the start of the think block (after the open marker when the
-    output opens it) until the end marker is complete (its one special token, or its text in
+    output opens it: the output's first bytes; output that parts from the marker took the
+    branch without reasoning, and nothing is forced) until the end marker is complete (its one special token, or its text in
     the output's bytes); from `budget` tokens in, while thinking, the mask allows only the
     end marker's next token (fail closed: if the grammar does not allow it, the
     mask is empty and the matcher reports an error).
@@ -245,12 +246,16 @@ class ThinkingMatcher:
         self.n += 1
         if not self.thinking:
             return ok
-        marker = self.open_bytes if self.start is None else self.close_bytes
-        self.tail = (self.tail + self.tokenizer.decode_bytes([token]))[-4 * len(marker):]
-        if self.start is None:
-            if self.open_bytes in self.tail:  # the output opened the think block
+        if self.start is None:  # the output is still choosing its branch
+            self.tail += self.tokenizer.decode_bytes([token])
+            if self.tail.startswith(self.open_bytes):  # it opened the reasoning
                 self.start, self.tail = self.n, b""
-        elif self.special:
+            elif not self.open_bytes.startswith(self.tail):  # it answers at once
+                self.thinking = False
+            return ok
+        marker = self.close_bytes
+        self.tail = (self.tail + self.tokenizer.decode_bytes([token]))[-4 * len(marker):]
+        if self.special:
             self.thinking = token != self.close_ids[0]
         else:
             self.thinking = self.close_bytes not in self.tail

@@ -137,6 +137,14 @@ TOKENIZERS.update({
                                  "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
                                  "<｜end▁of▁sentence｜>", _template("tools_deepseek.jinja"),
                                  added=DEEPSEEK_TOKENS, corpus=TOOL_CORPUS),
+    # Gemma 4: the turn and channel markers special; generation ends with <turn|>.
+    "gemma4": TokenizerKind(False, ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>",
+                                    "<|channel>", "<channel|>", "<|think|>"), "<bos>", "<eos>",
+                            "<turn|>", _template("gemma4_style.jinja")),
+    # Seed-OSS: <seed:bos> / <seed:eos> special, the think tags added as text tokens.
+    "seed-oss": TokenizerKind(True, ("<seed:bos>", "<seed:eos>", "<seed:pad>"), None,
+                              "<seed:eos>", "<seed:eos>", _template("seed_oss_style.jinja"),
+                              added=("<seed:think>", "</seed:think>")),
     # o200k_harmony: every Harmony marker special; generation ends with <|return|> (an answer)
     # or <|call|> (a tool call); no BOS added to encoded text.
     "harmony": TokenizerKind(True, ("<|startoftext|>", "<|endoftext|>", "<|return|>",
