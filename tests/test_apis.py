@@ -1,5 +1,6 @@
 """The same guarantees on every API: one constrained request through Chat Completions,
-Responses and Messages, streamed and not, thinking and not, gives the tokens of the same
+Responses and Messages, streamed and not, thinking and not, in three reasoning formats (think
+tags, Gemma channels, Harmony), gives the tokens of the same
 request through Chat Completions with speculation off, and every answer validates.
 
 In process (httpx's ASGI transport against the real app and engine), on the reference BLAS
@@ -35,17 +36,25 @@ PROMPT = "Extract the fields as JSON: Ada, 36."
 MAX_TOKENS, BUDGET = 60, 12
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+# reasoning format -> (tokenizer kind, template, end-of-generation tokens; None: the family's)
+FORMATS = {"think": ("chatml", "qwen3_style.jinja", None),
+           "gemma": ("gemma4", "gemma4_style.jinja", ("<turn|>", "<eos>")),
+           "harmony": ("harmony", "tools_harmony.jinja", ("<|return|>", "<|endoftext|>",
+                                                         "<|call|>"))}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def served(request, tmp_path_factory):
     from server.app import create_app
     from server.door import ServeConfig
 
+    kind, name, eos = FORMATS[request.param]
     root = tmp_path_factory.mktemp("apis")
-    template = (TEMPLATES / "qwen3_style.jinja").read_text()
+    template = (TEMPLATES / name).read_text()
     target = load(str(make_family("qwen3", root / "t", think=True, scale=1.0,
-                                  template=template)))
+                                  template=template, tokenizer=kind, eos=eos)))
     draft = load(str(make_family("qwen3", root / "d", seed=1, think=True, scale=1.0,
-                                 template=template)))
+                                 template=template, tokenizer=kind, eos=eos)))
     engine = Engine(target, draft)
     tokens: list[tuple[int, ...]] = []
     output = engine.output
@@ -58,7 +67,7 @@ def served(tmp_path_factory):
         return output(req, record)
 
     engine.output = spy  # type: ignore[method-assign]
-    yield create_app(engine, ServeConfig()), tokens
+    yield create_app(engine, ServeConfig()), tokens, engine
     engine.close()
 
 
@@ -145,16 +154,20 @@ def answer_of(api: str, r: httpx.Response, stream: bool) -> tuple[str, str]:
                     "reference BLAS only")
 @pytest.mark.parametrize("thinking", [False, True], ids=["answer", "think-then-answer"])
 def test_every_api_streamed_or_not_gives_plain_chat_completions_tokens(served, thinking):
-    app, tokens = served
+    app, tokens, engine = served
 
     async def go():
         got = {}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://test", timeout=300) as c:
             path, body = body_of("chat", thinking, False, plain=True)
-            r = await c.post(path, json=body)
-            assert r.status_code == 200, r.text
-            got["plain"] = (tokens[-1], answer_of("chat", r, False))
+            for effort in (None, "low") if thinking else (None,):
+                # (Responses asks for thinking with an effort, which templates read)
+                r = await c.post(path, json={**body, "reasoning_effort": effort} if effort
+                                 else body)
+                assert r.status_code == 200, r.text
+                got["plain", effort] = (tokens[-1], answer_of("chat", r, False),
+                                        r.json()["choices"][0]["finish_reason"])
             for api in ("chat", "responses", "messages"):
                 for stream in (False, True):
                     path, body = body_of(api, thinking, stream)
@@ -164,14 +177,26 @@ def test_every_api_streamed_or_not_gives_plain_chat_completions_tokens(served, t
         return got
 
     got = asyncio.run(go())
-    want_tokens, (want_reasoning, want_answer) = got.pop("plain")
-    jsonschema.validate(json.loads(want_answer), SCHEMA)
-    assert bool(want_reasoning) == thinking
-    for toks, _ in got.values():
-        tally.record("apis: chat, responses, messages x stream vs plain chat", toks == want_tokens)
-    for cell, (toks, (reasoning, answer)) in got.items():
-        assert toks == want_tokens, cell
-        assert (reasoning, answer) == (want_reasoning, want_answer), cell
+    want = {effort: got.pop(("plain", effort)) for effort in (None, "low")
+            if ("plain", effort) in got}
+    for want_tokens, (want_reasoning, want_answer), finish in want.values():
+        if finish == "stop":  # (else max_tokens cut it)
+            jsonschema.validate(json.loads(want_answer), SCHEMA)
+        text = engine.decode_text(want_tokens)
+        # Thinking: the reasoning is carried (where the output opens it, the model may
+        # also answer at once); without it, no reasoning markers in the output.
+        opens = ("<think>", "<|channel>thought", "<|channel|>analysis<|message|>")
+        if not thinking:
+            assert want_reasoning == "" and not text.startswith(opens), text
+        elif want_reasoning:
+            assert want_reasoning in text and want_reasoning not in want_answer
+    for (api, stream), (toks, split) in got.items():
+        # The template reads reasoning_effort (Harmony's system line): Responses' thinking
+        # request is compared with the chat request of the same effort.
+        w = want["low" if api == "responses" and thinking else None]
+        tally.record("apis: chat, responses, messages x stream vs plain chat", toks == w[0])
+        assert toks == w[0], (api, stream)
+        assert split == w[1], (api, stream)
 
 
 def test_a_think_only_template_without_thinking_is_a_400_on_every_api(tmp_path):
