@@ -265,3 +265,46 @@ def test_the_answer_may_hold_the_formats_markers_inside_a_json_string(models, fm
         assert got.finish_reason == "stop", got
         assert json.loads(got.text) == {"note": note}, got.text
         assert note not in got.reasoning and (got.reasoning == "") == (ob < 0)
+
+
+def test_protocols_are_read_from_rendered_text_not_template_source():
+    from specdec.reasoning import find_protocol
+
+    # A suffixed tag: its close repeats the suffix; Seed-OSS's tag; the older spellings.
+    assert (find_protocol("<|im_start|>assistant\n<think:v2>\n").close) == "</think:v2>"
+    assert find_protocol("x<seed:think>y").close == "</seed:think>"
+    assert find_protocol("a <|begin_of_thought|>").close == "<|end_of_thought|>"
+    # The first marker written wins; channel formats before tags.
+    assert find_protocol("<|channel|>final<|message|>hi<think>").name == "harmony"
+    assert find_protocol("<|turn>model\n<|channel>thought\n").name == "gemma"
+    assert find_protocol("no markers here") is None
+
+
+def test_an_always_thinking_template_is_refused_for_what_it_renders(tmp_path):
+    """MiniMax's shape: the generation prompt always opens the think block; a comment names
+    enable_thinking, which the template does not read: the 400 says there is no switch."""
+    from specdec.chat import ReasoningConflictError
+
+    template = ("{#- enable_thinking is not read by this template -#}"
+                "{%- for m in messages %}{{ ']~b]' + m.role + '\\n' + m.content + '[e~[\\n' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{ ']~b]ai\\n<think>\\n' }}"
+                "{%- endif %}")
+    d = make_family("qwen3", tmp_path / "minimax", think=True, scale=1.0, template=template)
+    e = Engine(load(str(d)), None)
+    with pytest.raises(ReasoningConflictError, match="has no switch"):
+        e.chat_prompt(MESSAGES, constrained=True)
+    _, thinking = e.chat_prompt_thinking(MESSAGES)  # asking for it works: the prompt opened it
+    assert thinking.open is None and thinking.close == "</think>"
+
+
+def test_reasoning_effort_and_the_budget_reach_the_template(models):
+    from specdec.request import GenerateRequest, Message
+
+    e = models["harmony"][1]["none"]
+    req = e.prepare(GenerateRequest(messages=(Message("user", MESSAGES[0]["content"]),),
+                                    reasoning_effort="low", thinking=True, max_tokens=20))
+    assert "Reasoning: low" in _text(models["harmony"][0], req.prompt_ids)
+    s = models["seed"][1]["none"]
+    req = s.prepare(GenerateRequest(messages=(Message("user", MESSAGES[0]["content"]),),
+                                    thinking=True, thinking_budget=5, max_tokens=20))
+    assert "thinking budget is 5 tokens" in _text(models["seed"][0], req.prompt_ids)
