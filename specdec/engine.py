@@ -467,6 +467,12 @@ class Engine:
                         raise
         constraint = r.constraint
         calls = None
+        if tools and thinking is not None and thinking.name == "harmony":
+            # Harmony's calls are commentary-channel messages after the analysis; the header
+            # after the reasoning here is the final channel's: not served yet.
+            raise RequestError("tools together with thinking are not served for the Harmony "
+                               "format yet: ask without thinking (reasoning_effort 'none')",
+                               param="tools")
         if tools:
             assert fmt is not None
             constraint, calls = self._tools_constraint(r, tools, fmt)

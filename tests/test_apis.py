@@ -1,12 +1,13 @@
 """The same guarantees on every API: one constrained request through Chat Completions,
 Responses and Messages, streamed and not, thinking and not, in three reasoning formats (think
-tags, Gemma channels, Harmony), gives the tokens of the same
-request through Chat Completions with speculation off, and every answer validates.
+tags, Gemma channels, Harmony), gives the tokens of the same request through Chat Completions
+with speculation off, and every finished answer validates.
 
 In process (httpx's ASGI transport against the real app and engine), on the reference BLAS
-where equality is promised: a small random-weight Qwen 3 (think tokens, a template whose
-prompt opens the think block and that has a no-think switch) with an unrelated draft of the
-same tokenizer, so speculation proposes, is rejected and recovers. The tokens each request
+where equality is promised: per format a small random-weight Qwen 3 with that format's
+tokenizer and template (think tags: the output opens the block, with a no-think switch;
+Gemma 4's channels; Harmony) and an unrelated draft of the same tokenizer, so speculation
+proposes, is rejected and recovers. The tokens each request
 produced are read off the engine's own `Finished` events.
 """
 

@@ -308,3 +308,16 @@ def test_reasoning_effort_and_the_budget_reach_the_template(models):
     req = s.prepare(GenerateRequest(messages=(Message("user", MESSAGES[0]["content"]),),
                                     thinking=True, thinking_budget=5, max_tokens=20))
     assert "thinking budget is 5 tokens" in _text(models["seed"][0], req.prompt_ids)
+
+
+def test_tools_with_thinking_on_harmony_are_a_400_naming_tools(models):
+    from specdec.errors import RequestError
+    from specdec.request import GenerateRequest, Message, Tool
+
+    e = models["harmony"][1]["none"]
+    tool = Tool("get_weather", "Weather.", {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]})
+    with pytest.raises(RequestError) as err:
+        e.prepare(GenerateRequest(messages=(Message("user", "Weather in Paris?"),),
+                                  tools=(tool,), thinking=True, max_tokens=20))
+    assert err.value.param == "tools"
