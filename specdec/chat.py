@@ -10,7 +10,6 @@ the constraint (`reasoning.think_grammar`).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from .errors import RequestError
@@ -85,7 +84,7 @@ def render_thinking(tokenizer: Any, messages: list[dict[str, Any]], *,
     follows. The protocol is read from what the template renders (`reasoning.find_protocol`
     over its generation prompt with thinking on and off, and an assistant turn with
     reasoning in the history), never from its source; `protocol` names one instead
-    (`PROTOCOLS`). The header after the reasoning is the one the template writes.
+    (`protocol_named`). The header after the reasoning is the one the template writes.
 
     Raises:
         ThinkingUnsupportedError: the template writes no reasoning markers, or closes the

@@ -9,8 +9,8 @@ the constraint. Every decode path masks with that one matcher, so forced tokens,
 lookup and draft proposals cross the end of reasoning like any other position, and
 speculative output stays plain output.
 
-The formats (`PROTOCOLS`): the think-tag family (`<think>` ... `</think>` as Qwen 3, DeepSeek
-R1 / V3.1, GLM, Kimi and MiniMax write it; Seed-OSS's `<seed:think>`; any `<think...>` tag
+The formats (`HARMONY`, `GEMMA`, `think_tag`): the think-tag family (`<think>` ...
+`</think>` as Qwen 3, DeepSeek R1 / V3.1, GLM, Kimi and MiniMax write it; Seed-OSS's `<seed:think>`; any `<think...>` tag
 with a suffix, whose close repeats it), Gemma's channel (`<|channel>thought` ... `<channel|>`)
 and OpenAI Harmony (the `analysis` channel ended by `<|end|>`, then the `final` channel's
 header). `chat.render_thinking` picks one from what the rendered template writes.
@@ -53,7 +53,7 @@ class Thinking:
         direct: where the output opens the reasoning and may instead answer at once, the
             answer's header on that branch (Harmony's `<|channel|>final<|message|>`; "" for
             an answer straight away); None: the output must reason first.
-        name: the protocol's name (`PROTOCOLS`).
+        name: the protocol's name (`Protocol.name`).
     """
 
     close: str
