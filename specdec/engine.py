@@ -207,7 +207,6 @@ class Engine:
         self.request_timeout_s: float | None = None
         self._replicas = False
         self._formats: dict[str, ToolFormat] = {}
-        self._specials: dict[str, int] | None = None
 
     # -- the scheduler -------------------------------------------------------------------
     def start(self, *, max_batch: int = 8, max_queue: int = 64,
@@ -381,7 +380,7 @@ class Engine:
             text = self.decode_text(tokens)
             if not text.startswith(thinking.open) and not thinking.open.startswith(text):
                 return 0
-        ids, special = marker_ids(self.compiler.tokenizer, thinking.close)
+        ids, special = marker_ids(self.compiler.markup, thinking.close)
         if special:
             return next((i + 1 for i, t in enumerate(tokens) if t == ids[0]), len(tokens))
         lo, hi = 0, len(tokens)  # the shortest prefix holding the marker (once held, kept)
@@ -563,7 +562,7 @@ class Engine:
                                            value=both), parser
         answer = to_grammar(c) if c is not None else None
         grammar = tools_grammar(fmt, specs, text=text, answer=answer, parallel=parallel,
-                                specials=self.special_tokens)
+                                markup=self.compiler.markup)
         return Constraint.tools(grammar), parser
 
     def tool_format(self, template: str | None = None) -> ToolFormat:
@@ -592,17 +591,6 @@ class Engine:
         with self._lock:
             self._formats[key] = fmt
         return fmt
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        """The tokenizer's special tokens (as the grammar names them: by id), by text."""
-        if self._specials is None:
-            llt = self.compiler.tokenizer
-            added = getattr(self.target.tokenizer, "added_tokens_decoder", {}) or {}
-            self._specials = {str(getattr(t, "content", t)): int(i) for i, t in added.items()
-                              if int(i) < self.target.vocab_size and
-                              llt.is_special_token(int(i))}
-        return self._specials
 
     def _prepare_ids(self, prompt_ids: Sequence[TokenId], *,
                      constraint: Constraint | None = None,
@@ -692,7 +680,7 @@ class Engine:
         if grammar is None:
             return None
         if req.thinking is not None and req.thinking.budget is not None:
-            return ThinkingMatcher(grammar.matcher(), self.compiler.tokenizer, req.thinking,
+            return ThinkingMatcher(grammar.matcher(), self.compiler.markup, req.thinking,
                                    self.target.vocab_size)
         return grammar.matcher()
 

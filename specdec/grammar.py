@@ -11,7 +11,9 @@ llguidance's own message; nothing here returns a half-valid grammar.
 from __future__ import annotations
 
 import json
+import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -19,10 +21,11 @@ from typing import Any, Literal, get_args
 import llguidance
 import llguidance.hf
 import llguidance.numpy as llnp
-from llguidance import LLMatcher, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from tokenizers import Tokenizer
 
 from .errors import RequestError
-from .reasoning import Thinking, think_grammar
+from .reasoning import Markup, Thinking, think_grammar
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
@@ -186,6 +189,89 @@ class CompiledGrammar:
         return self._template.deep_copy()
 
 
+# Built LLTokenizers by Hugging Face tokenizer (engines over one model share one), then by
+# (logits width, end tokens).
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]]" = \
+    weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+_UNNAMED = re.compile(r"<\[\d+\]>")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _without_prepend(n: dict[str, Any] | None) -> dict[str, Any] | None:
+    if n is None or n.get("type") == "Prepend":
+        return None
+    if n.get("type") == "Sequence":
+        kept = [m for m in map(_without_prepend, n["normalizers"]) if m is not None]
+        return {**n, "normalizers": kept} if kept else None
+    return n
+
+
+def _metaspace_never(p: dict[str, Any] | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    if p.get("type") == "Metaspace":
+        return {**p, "prepend_scheme": "never", "add_prefix_space": False}
+    if p.get("type") == "Sequence":
+        return {**p, "pretokenizers": [_metaspace_never(q) for q in p["pretokenizers"]]}
+    return p
+
+
+def text_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
+                   ) -> tuple[LLTokenizer, dict[str, int]]:
+    """An `LLTokenizer` whose text tokenization never yields a special token, and the special
+    tokens by name.
+
+    llguidance marks every added token special (its bytes are a 0xFF marker, then its name):
+    text never matches it, a grammar names it by id. Built straight from the tokenizer, its
+    text tokenization (where a grammar forces bytes, it tokenizes them and allows the first
+    token) still splits added tokens out of text: bytes spelling `<think>` inside a JSON
+    string were tokenized as the special token, which the mask allowed and consuming it
+    failed. Here the same vocabulary, special ids and byte strings sit over a copy of the
+    tokenizer without the tokens llguidance holds special (and, as llguidance's own copy,
+    without a space prepended), so forced text is tokenized as text.
+    """
+    base = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
+                                        eos_token=list(eos_token_ids))
+    tokens = [base.decode_bytes([i]) for i in range(n_vocab)]
+    held = frozenset(i for i in range(n_vocab) if base.is_special_token(i))
+    spec = json.loads(hf_tokenizer.backend_tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec.get("added_tokens") or [] if t["id"] not in held]
+    # Byte pieces (`<0x5F>`) registered as added tokens are still bytes where the model
+    # decodes them so (a ByteFallback decoder), not markers.
+    pieces: dict[int, bytes] = {}
+    if "ByteFallback" in json.dumps(spec.get("decoder")):
+        pieces = {i: bytes([int(m.group(1), 16)]) for i in held
+                  if (m := _BYTE_PIECE.fullmatch(tokens[i].decode("latin-1")))}
+    for i, b in pieces.items():
+        tokens[i] = b
+    special = sorted(held - pieces.keys())
+    special_set = frozenset(special)
+    # As llguidance's own copy: no space prepended to the text it tokenizes.
+    spec["normalizer"] = _without_prepend(spec.get("normalizer"))
+    spec["pre_tokenizer"] = _metaspace_never(spec.get("pre_tokenizer"))
+    spec["padding"] = spec["truncation"] = None
+    text = Tokenizer.from_str(json.dumps(spec))
+
+    class _Text:
+        eos_token_id = list(eos_token_ids)[0]
+        bos_token_id = None
+        special_token_ids = special
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, s: str) -> list[int]:
+            ids = text.encode(s, add_special_tokens=False).ids
+            # A model whose text pieces include a special id (an unknown-piece token, byte
+            # pieces registered as special): spell it with text tokens instead.
+            return ids if special_set.isdisjoint(ids) else llt.greedy_tokenize(s)
+
+    llt = LLTokenizer(TokenizerWrapper(_Text()), n_vocab=n_vocab, eos_token=list(eos_token_ids))
+    names = {tokens[i].decode("utf-8", "replace"): i for i in special if tokens[i]}
+    return llt, {n: i for n, i in names.items() if not _UNNAMED.fullmatch(n)}
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, caching by canonical grammar text (LRU).
 
@@ -193,8 +279,10 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: LLTokenizer, cache_size: int = 256,
-                 limits: dict[str, int] | None = None) -> None:
+                 limits: dict[str, int] | None = None,
+                 specials: dict[str, int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.markup = Markup(tokenizer, specials or {})
         self.limits = dict(PARSER_LIMITS, **(limits or {}))
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -205,7 +293,8 @@ class GrammarCompiler:
     @staticmethod
     def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int],
                          limits: dict[str, int] | None = None) -> "GrammarCompiler":
-        """Build the (expensive, ~0.5 s) LLTokenizer from a Hugging Face fast tokenizer.
+        """A compiler over the LLTokenizer for a Hugging Face fast tokenizer
+        (`text_tokenizer`; ~1 s to build, built once per tokenizer, width and end tokens).
 
         Args:
             hf_tokenizer: `PreTrainedTokenizerFast`.
@@ -215,9 +304,14 @@ class GrammarCompiler:
                 may end.
             limits: llguidance parser limits replacing `PARSER_LIMITS`' (by name).
         """
-        llt = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab,
-                                           eos_token=list(eos_token_ids))
-        return GrammarCompiler(llt, limits=limits)
+        key = (n_vocab, tuple(eos_token_ids))
+        with _TOKENIZERS_LOCK:
+            built = _TOKENIZERS.setdefault(hf_tokenizer, {}).get(key)
+        if built is None:
+            built = text_tokenizer(hf_tokenizer, n_vocab, eos_token_ids)
+            with _TOKENIZERS_LOCK:
+                _TOKENIZERS[hf_tokenizer][key] = built
+        return GrammarCompiler(built[0], limits=limits, specials=built[1])
 
     def compile(self, c: Constraint, thinking: Thinking | None = None) -> CompiledGrammar:
         """Compile (or fetch from cache) a constraint, after a think block when `thinking`.
@@ -227,7 +321,7 @@ class GrammarCompiler:
         """
         text = to_grammar(c)
         if thinking is not None:
-            text = think_grammar(text, thinking, self.tokenizer)
+            text = think_grammar(text, thinking, self.markup)
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:

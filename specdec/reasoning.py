@@ -117,28 +117,49 @@ def find_protocol(*rendered: str) -> Protocol | None:
     return think_tag(f"<{closes[0].group(1)}>") if closes else None
 
 
-def marker_ids(tokenizer: LLTokenizer, marker: str) -> tuple[tuple[int, ...], bool]:
+class Markup:
+    """A tokenizer's markup: text, and its special tokens by name. llguidance tokenizes text
+    into text tokens only (`grammar.text_tokenizer`), so a marker's special tokens are found
+    here by name and named in grammars by id.
+
+    Attributes:
+        tokenizer: the `LLTokenizer`.
+        specials: special token text -> id.
+    """
+
+    def __init__(self, tokenizer: LLTokenizer, specials: dict[str, int]) -> None:
+        self.tokenizer = tokenizer
+        self.specials = dict(specials)
+        names = sorted(self.specials, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+    def pieces(self, text: str) -> list[str | int]:
+        """The text as runs of text and special-token ids."""
+        if self._split is None:
+            return [text] if text else []
+        return [self.specials[p] if i % 2 else p
+                for i, p in enumerate(self._split.split(text)) if i % 2 or p]
+
+    def ids(self, text: str) -> list[int]:
+        """The markup's token ids: its special tokens by name, the text between tokenized."""
+        out: list[int] = []
+        for p in self.pieces(text):
+            out.extend([p] if isinstance(p, int) else self.tokenizer.tokenize_str(p))
+        return out
+
+    def lark(self, text: str) -> str:
+        """The markup as a Lark sequence: special tokens by id, the text between as strings."""
+        return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p)
+                        for p in self.pieces(text))
+
+
+def marker_ids(markup: Markup, marker: str) -> tuple[tuple[int, ...], bool]:
     """The marker's token ids, and whether it is one special token (named in the grammar by
     id) rather than text."""
-    ids = tuple(tokenizer.tokenize_str(marker))
-    return ids, len(ids) == 1 and tokenizer.is_special_token(ids[0])
-
-
-def _lark_seq(tokenizer: LLTokenizer, text: str) -> str:
-    """A marker as a Lark sequence: its special tokens by id, the text between as strings."""
-    parts: list[str] = []
-    run: list[int] = []
-    for t in tokenizer.tokenize_str(text):
-        if tokenizer.is_special_token(t):
-            if run:
-                parts.append(json.dumps(tokenizer.decode_bytes(run).decode("utf-8")))
-                run = []
-            parts.append(f"<[{t}]>")
-        else:
-            run.append(t)
-    if run:
-        parts.append(json.dumps(tokenizer.decode_bytes(run).decode("utf-8")))
-    return " ".join(parts)
+    pieces = markup.pieces(marker)
+    if len(pieces) == 1 and isinstance(pieces[0], int):
+        return (pieces[0],), True
+    return tuple(markup.ids(marker)), False
 
 
 def _regex_literal(text: str) -> str:
@@ -146,7 +167,7 @@ def _regex_literal(text: str) -> str:
                    for c in text)
 
 
-def think_grammar(answer: str, thinking: Thinking, tokenizer: LLTokenizer) -> str:
+def think_grammar(answer: str, thinking: Thinking, markup: Markup) -> str:
     """The llguidance grammar (TopLevelGrammar JSON) for: [open marker] reasoning text, end
     marker, header, then the `answer` grammar (any text `to_grammar` returns); or, where the
     protocol allows an answer without reasoning, its direct header, then the answer."""
@@ -155,17 +176,17 @@ def think_grammar(answer: str, thinking: Thinking, tokenizer: LLTokenizer) -> st
     names = {g.get("name") for g in subs[1:]}
     name = next(n for n in ("answer", "answer_", "answer__", "_answer") if n not in names)
     close = _regex_literal(thinking.close)
-    opener = _lark_seq(tokenizer, thinking.open) + " " if thinking.open else ""
-    if marker_ids(tokenizer, thinking.close)[1]:  # text without the marker, then its token
-        think = (f"THINK {_lark_seq(tokenizer, thinking.close)}\n"
+    opener = markup.lark(thinking.open) + " " if thinking.open else ""
+    if marker_ids(markup, thinking.close)[1]:  # text without the marker, then its token
+        think = (f"THINK {markup.lark(thinking.close)}\n"
                  f"THINK: /(?s:.*)/ & ~/(?s:.*){close}(?s:.*)/\n")
     else:  # the shortest text that ends with the marker
         think = f"think\nthink[lazy]: /(?s:.*){close}/\n"
     first, _, rest = think.partition("\n")
-    header = _lark_seq(tokenizer, thinking.header) + " " if thinking.header else ""
+    header = markup.lark(thinking.header) + " " if thinking.header else ""
     branches = [f"{opener}{first} {header}@{name}"]
     if thinking.direct is not None:
-        direct = _lark_seq(tokenizer, thinking.direct) + " " if thinking.direct else ""
+        direct = markup.lark(thinking.direct) + " " if thinking.direct else ""
         branches.append(f"{direct}@{name}")
     lark = f"start: {' | '.join(branches)}\n{rest}"
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**subs[0], "name": name},
@@ -184,12 +205,12 @@ class ThinkingMatcher:
     mask is empty and the matcher reports an error).
     """
 
-    def __init__(self, inner: LLMatcher, tokenizer: LLTokenizer, thinking: Thinking,
+    def __init__(self, inner: LLMatcher, markup: Markup, thinking: Thinking,
                  vocab_size: int) -> None:
         self.inner = inner
-        self.tokenizer = tokenizer
+        self.tokenizer = markup.tokenizer
         self.budget = thinking.budget
-        self.close_ids, self.special = marker_ids(tokenizer, thinking.close)
+        self.close_ids, self.special = marker_ids(markup, thinking.close)
         self.close_bytes = thinking.close.encode()
         self.open_bytes = (thinking.open or "").encode()
         self.vocab_size = vocab_size

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .grammar import GrammarError
+from .reasoning import Markup
 
 
 ID = "\x00"  # where a call's id sits in a segment
@@ -386,22 +387,8 @@ class Lark:
     """Writes segments as Lark expressions: text as string literals, the tokenizer's special
     tokens by id, a call id as its rule."""
 
-    def __init__(self, specials: Mapping[str, int]) -> None:
-        self.specials = dict(specials)
-        names = sorted(self.specials, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
-
-    def pieces(self, s: str) -> list[str | int]:
-        """A segment as text pieces and special-token ids (ID kept as text)."""
-        if self._split is None:
-            return [s] if s else []
-        out: list[str | int] = []
-        for i, p in enumerate(self._split.split(s)):
-            if i % 2:
-                out.append(self.specials[p])
-            elif p:
-                out.append(p)
-        return out
+    def __init__(self, markup: Markup) -> None:
+        self.pieces = markup.pieces  # text runs and special-token ids (ID kept as text)
 
     def expr(self, s: str) -> str:
         parts: list[str] = []
@@ -426,11 +413,11 @@ def _rx(text: str) -> str:
 
 
 def tools_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], *, text: bool,
-                  answer: str | None, parallel: bool, specials: Mapping[str, int]) -> str:
+                  answer: str | None, parallel: bool, markup: Markup) -> str:
     """The llguidance grammar (TopLevelGrammar JSON) for an answer that is text (when
     `text`: free, or `answer` -- another grammar's text, a response format -- when given)
     or calls of `tools` in `fmt` (several when `parallel` and the format allows)."""
-    lk = Lark(specials)
+    lk = Lark(markup)
     rules: list[str] = []
     marker_text = lk.is_text(fmt.marker)
     no_marker = f" & ~/(?s:.*){_rx(fmt.marker)}(?s:.*)/" if marker_text else ""

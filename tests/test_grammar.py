@@ -127,3 +127,50 @@ def test_matchers_from_one_grammar_are_independent(compiler):
     assert m1.consume_token(ord("a"))
     assert m2.validate_tokens([ord("c")]) == 1
     assert m1.validate_tokens([ord("c")]) == 0
+
+
+MARKUP_NOTE = {  # tokenizer kind -> text a JSON string holds: its markers, `_`, non-ASCII
+    "seed-oss": "<seed:think> a_b </seed:think>",
+    "gemma4": "<|channel>thought x_y <channel|> é",
+    "harmony": "<|channel|>analysis<|message|> and <|end|>_",
+    "chatml": "<think>\n_</think>",
+}
+
+
+@pytest.mark.parametrize("kind", list(MARKUP_NOTE))
+def test_forced_text_is_tokenized_as_text_even_where_it_spells_a_special_token(tmp_path, kind):
+    """Where the grammar forces bytes (a const, a key) llguidance tokenizes them and allows
+    that token: bytes spelling an added token (`<think>`), or a byte piece the tokenizer
+    registers as added (`<0x5F>` for `_`), must come out as text tokens the matcher consumes.
+    Every path the masks allow, with random picks, decodes to the document."""
+    import random
+
+    import numpy as np
+    import llguidance.numpy as llnp
+    from transformers import AutoTokenizer
+
+    from tests.families import TOKENIZERS, make_tokenizer
+
+    make_tokenizer(TOKENIZERS[kind], tmp_path, think=kind == "chatml")
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    eos = hf.convert_tokens_to_ids(TOKENIZERS[kind].eos)
+    gc = GrammarCompiler.for_hf_tokenizer(hf, n_vocab=len(hf) + 5, eos_token_ids=[eos])
+    note = MARKUP_NOTE[kind]
+    schema = {"type": "object", "properties": {"a_key": {"const": note},
+                                               "pick": {"enum": ["x_1", note]}},
+              "required": ["a_key", "pick"], "additionalProperties": False}
+    grammar = gc.compile(Constraint.json_schema(schema))
+    n = gc.tokenizer.vocab_size
+    for seed in range(6):
+        rng, m, out = random.Random(seed), grammar.matcher(), []
+        while not m.is_stopped():
+            mask = llnp.allocate_token_bitmask(1, n)
+            llnp.fill_next_token_bitmask(m, mask, 0)
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:n])
+            assert len(allowed) and not m.is_error(), (seed, out, m.get_error())
+            pick = int(rng.choice(allowed))
+            assert m.consume_token(pick), (seed, out, pick, m.get_error())
+            out.append(pick)
+            assert len(out) < 400
+        doc = json.loads(hf.decode([t for t in out if t != eos], skip_special_tokens=False))
+        assert doc["a_key"] == note and doc["pick"] in ("x_1", note), doc

@@ -103,7 +103,7 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     target, engines = models[family]
     e = engines["none"]
     tok = target.tokenizer
-    close_ids, special = marker_ids(e.compiler.tokenizer, "</think>")
+    close_ids, special = marker_ids(e.compiler.markup, "</think>")
     assert special == FAMILIES[family][1] == (len(close_ids) == 1)  # which grammar form runs
     constraint = Constraint.json_schema(SCHEMA)
     bad: list[str] = []
@@ -117,13 +117,13 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
             continue
         assert (thinking.open is None) == (family != "qwen3")
         opener = 0 if thinking.open is None else len(
-            e.compiler.tokenizer.tokenize_str(thinking.open))
+            e.target.tokenizer.encode(thinking.open, add_special_tokens=False))
 
         def natural(n: int, thought: bool = True) -> bool:
             """Ended by the model before the budget (after thinking a while, if `thought`)."""
             return opener + len(close_ids) - (not thought) < n < opener + (budget or 0)
 
-        open_id = e.compiler.tokenizer.tokenize_str(thinking.open)[0] if thinking.open else 0
+        open_id = e.target.tokenizer.encode(thinking.open, add_special_tokens=False)[0] if thinking.open else 0
         for mode, base in MODES.items():
             # Where the model may answer at once (the output opens the block), a bias on the
             # open marker makes it skip ("skipped") or reason (the first bias with which it
@@ -318,7 +318,7 @@ def test_a_budget_ending_mid_character_waits_for_the_character(models):
     reasoning, answer = parts(e, want, thinking)
     assert answer is not None and "\ufffd" not in reasoning
     assert e.reasoning_tokens(want.tokens, thinking) > budget + 1  # the character finished
-    close_ids = marker_ids(e.compiler.tokenizer, "</think>")[0]
+    close_ids = marker_ids(e.compiler.markup, "</think>")[0]
     g = e.compiled(e.prepare(ids, constraint=constraint, thinking=thinking))
     ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
                            eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,

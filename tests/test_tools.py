@@ -193,7 +193,7 @@ def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
     if req.thinking is not None:
         close, opener = req.thinking.close, req.thinking.open
         text = engine.decode_text
-        rule = ThinkingRule(req.thinking.budget, marker_ids(engine.compiler.tokenizer, close)[0],
+        rule = ThinkingRule(req.thinking.budget, marker_ids(engine.compiler.markup, close)[0],
                             lambda toks: close in text(toks),
                             (lambda toks: 0) if opener is None else (lambda toks: next(
                                 (i + 1 for i in range(len(toks)) if opener in text(
