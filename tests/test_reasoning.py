@@ -353,6 +353,24 @@ def test_stop_strings_apply_to_the_answer_only(models):
     assert a2 == answer[:answer.index('"age"')] and got.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_answer_may_hold_the_think_markers_inside_a_json_string(models, family):
+    """The markers as data: a JSON string that holds `<think>` and `</think>` (added tokens
+    or text) is written as text, and the reasoning ends at the real end marker only."""
+    target, engines = models[family]
+    e = engines["none"]
+    ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=4)
+    note = "<think> and </think>"
+    schema = {"type": "object", "properties": {"note": {"const": note}}, "required": ["note"],
+              "additionalProperties": False}
+    for spec in (None, "default"):
+        got = e.generate(e.prepare(ids, constraint=Constraint.json_schema(schema),
+                                   max_tokens=60, spec=spec, thinking=thinking,
+                                   sampling=MODES["greedy"]))
+        assert got.finish_reason == "stop", got
+        assert json.loads(got.text) == {"note": note} and note not in got.reasoning, got
+
+
 def test_the_cli_thinks_to_stderr_and_answers_to_stdout(models, tmp_path):
     import subprocess
     import sys
