@@ -154,7 +154,8 @@ def messages_of(body: ChatCompletionRequest) -> tuple[Message, ...]:
         if isinstance(m, AssistantTurn):
             calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments)
                           for c in m.tool_calls or ())
-            r = (m.model_extra or {}).get("reasoning_content")
+            extra = m.model_extra or {}  # vLLM's name, then the newer one
+            r = extra.get("reasoning_content", extra.get("reasoning"))
             reasoning = r if isinstance(r, str) else None
         if isinstance(m, ToolResult):
             call_id = m.tool_call_id

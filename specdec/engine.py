@@ -139,6 +139,19 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
                                f"{target.name!r} (e.g. {diff}); speculation needs the same ids")
 
 
+def _thinking_before_calls(thinking: Thinking, fmt: ToolFormat) -> Thinking:
+    """The reasoning protocol in front of the tool grammar. Where the answer's header is the
+    text turn's own opening (Harmony: after the analysis, `<|start|>assistant` then the
+    final channel for text or a commentary channel for a call), the header stops before it
+    and the tool grammar chooses the channel."""
+    lead = fmt.text_open
+    if not lead or not thinking.header.endswith(lead) or not (
+            thinking.direct is None or thinking.direct.endswith(lead)):
+        return thinking
+    direct = None if thinking.direct is None else thinking.direct[:-len(lead)]
+    return dataclasses.replace(thinking, header=thinking.header[:-len(lead)], direct=direct)
+
+
 class Engine:
     """A target model with its grammar compiler, optionally a draft model, and the scheduler
     that decodes every request submitted to it (started on first use).
@@ -466,15 +479,11 @@ class Engine:
                         raise
         constraint = r.constraint
         calls = None
-        if tools and thinking is not None and thinking.name == "harmony":
-            # Harmony's calls are commentary-channel messages after the analysis; the header
-            # after the reasoning here is the final channel's: not served yet.
-            raise RequestError("tools together with thinking are not served for the Harmony "
-                               "format yet: ask without thinking (reasoning_effort 'none')",
-                               param="tools")
         if tools:
             assert fmt is not None
             constraint, calls = self._tools_constraint(r, tools, fmt)
+            if thinking is not None:
+                thinking = _thinking_before_calls(thinking, fmt)
         max_tokens = r.max_tokens
         if max_tokens is None:
             room = self.context_length - len(ids)
@@ -736,8 +745,9 @@ ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a cons
 
 def template_message(m: Message, i: int, fmt: ToolFormat | None = None) -> dict[str, Any]:
     """A conversation turn as chat templates take it (OpenAI's message shape): an
-    assistant's calls with their arguments as the format's template reads them (the JSON
-    text as sent, or parsed), a tool result with the id of the call it answers.
+    assistant's reasoning (where the client sent it back) and its calls with their arguments
+    as the format's template reads them (the JSON text as sent, or parsed), a tool result
+    with the id of the call it answers.
 
     Raises:
         RequestError (param `messages[i]`): a call whose arguments are not a JSON object.
@@ -749,6 +759,8 @@ def template_message(m: Message, i: int, fmt: ToolFormat | None = None) -> dict[
             out["name"] = m.name
         return out
     msg: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.role == "assistant" and m.reasoning:  # under each name templates read it by
+        msg.update(reasoning_content=m.reasoning, thinking=m.reasoning, reasoning=m.reasoning)
     if m.tool_calls:
         calls = []
         for c in m.tool_calls:

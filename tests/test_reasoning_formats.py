@@ -309,14 +309,114 @@ def test_reasoning_effort_and_the_budget_reach_the_template(models):
     assert "thinking budget is 5 tokens" in _text(models["seed"][0], req.prompt_ids)
 
 
-def test_tools_with_thinking_on_harmony_are_a_400_naming_tools(models):
-    from specdec.errors import RequestError
+def test_a_harmony_call_after_the_analysis_is_a_commentary_message_the_template_renders(
+        models):
+    """Tools with thinking on Harmony: after the analysis (`<|end|><|start|>assistant`) the
+    tool grammar chooses the channel, a call's commentary header or the final channel's
+    text. A call forced after reasoning is parsed, valid, the same with speculation, and
+    byte for byte what the template renders for the assistant turn with that reasoning and
+    call; the next turn renders both back; "auto" pushed to the final channel answers text."""
+    from specdec.engine import tool_schema
     from specdec.request import GenerateRequest, Message, Tool
 
-    e = models["harmony"][1]["none"]
+    target, engines = models["harmony"]
+    e = engines["none"]
+    tool = Tool("get_weather", "Weather.", {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False})
+    ask = (Message("user", "Weather in Paris?"),)
+    fmt = e.tool_format()
+    tk = target.tokenizer
+    o = tk.encode(FORMATS["harmony"][3].open, add_special_tokens=False)
+    c = tk.encode(fmt.first, add_special_tokens=False)
+    think = next(a for a, b in zip(o, c) if a != b)  # where analysis and commentary part
+    for budget in (5, 0):
+        req = GenerateRequest(messages=ask, tools=(tool,), tool_choice="required",
+                              thinking=True, thinking_budget=budget, max_tokens=120,
+                              sampling=dataclasses.replace(MODES["greedy"],
+                                                           logit_bias=((think, 16.0),)))
+        plain = e.generate(e.prepare(dataclasses.replace(req, spec=None)))
+        assert plain.finish_reason == "tool_calls" and len(plain.tool_calls) == 1, plain
+        assert plain.text == "" and plain.usage.reasoning_tokens >= budget
+        assert (plain.reasoning != "") == (budget > 0)
+        call = plain.tool_calls[0]
+        jsonschema.validate(json.loads(call.arguments), dict(tool.parameters))
+        spec = engines["self"].generate(engines["self"].prepare(req))
+        assert spec.tokens == plain.tokens
+        # the template's rendering of this assistant turn: its analysis, then the call
+        turn = Message("assistant", "", reasoning=plain.reasoning, tool_calls=(call,))
+        schemas = [tool_schema(tool)]
+        head = tk.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}],
+                                      tools=schemas, tokenize=False,
+                                      add_generation_prompt=True)
+        from specdec.engine import template_message
+
+        full = tk.apply_chat_template([{"role": "user", "content": "Weather in Paris?"},
+                                       template_message(turn, 1, fmt)], tools=schemas,
+                                      tokenize=False, add_generation_prompt=False)
+        written = _text(target, plain.tokens).removesuffix("<|call|>")
+        if budget == 0:  # an analysis with no text renders as none: nothing to compare
+            assert written.startswith("<|channel|>analysis<|message|><|end|>")
+        else:
+            assert full.startswith(head) and full[len(head):].startswith(written), (
+                full[len(head):], written)
+            nxt = e.prepare(GenerateRequest(messages=ask + (turn, Message(
+                "tool", '{"temp": 21}', tool_call_id=call.id, name=call.name)),
+                tools=(tool,), max_tokens=8))
+            assert "<|start|>assistant" + written in _text(target, nxt.prompt_ids)
+    # "auto" pushed towards the final channel after the analysis: a text answer
+    final = next(a for a, b in zip(tk.encode("<|channel|>final", add_special_tokens=False),
+                                   c) if a != b)
+    got = e.generate(e.prepare(GenerateRequest(
+        messages=ask, tools=(tool,), thinking=True, thinking_budget=4, max_tokens=40,
+        spec=None, sampling=dataclasses.replace(MODES["greedy"], logit_bias=(
+            (think, 32.0), (final, 16.0))))))
+    assert not got.tool_calls and got.reasoning and got.text, got
+
+
+def test_reasoning_sent_back_in_the_history_reaches_the_template_from_every_api(models):
+    """An assistant turn's reasoning before its call, as each API sends it back (chat's
+    `reasoning_content` or `reasoning`, a Responses reasoning item, a Messages thinking
+    block), renders through the template (Harmony keeps the analysis before a call)."""
+    from server.chat_wire import ChatCompletionRequest
+    from server.messages import conversation
+    from server.messages_wire import MessagesBody
+    from server.protocol import messages_of
+    from server.responses import messages as responses_messages
+    from server.responses_wire import ResponsesRequest
+    from specdec.request import GenerateRequest, Tool
+
+    target, engines = models["harmony"]
+    e = engines["none"]
     tool = Tool("get_weather", "Weather.", {"type": "object", "properties": {
         "city": {"type": "string"}}, "required": ["city"]})
-    with pytest.raises(RequestError) as err:
-        e.prepare(GenerateRequest(messages=(Message("user", "Weather in Paris?"),),
-                                  tools=(tool,), thinking=True, max_tokens=20))
-    assert err.value.param == "tools"
+    thought = "They want Paris weather."
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat = [ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, key: thought, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+        for key in ("reasoning_content", "reasoning")]
+    resp = ResponsesRequest.model_validate({"model": "m", "input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": thought}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]})
+    msgs = MessagesBody.model_validate({"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": thought, "signature": ""},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+             "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": "sunny"}]}]})
+    histories = [messages_of(b) for b in chat] + [responses_messages(resp), conversation(msgs)]
+    for turns in histories:
+        assert [m.reasoning for m in turns if m.role == "assistant"] == [thought]
+        req = e.prepare(GenerateRequest(messages=turns, tools=(tool,), max_tokens=8))
+        prompt = _text(target, req.prompt_ids)
+        assert f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>" \
+               f"commentary to=functions.get_weather" in prompt, prompt
