@@ -126,3 +126,26 @@ EXTRACTION: tuple[Case, ...] = (
          "International. Email rajesh.subramanian@northwind-logistics.example, mobile "
          "+1 (415) 555-0187, based in San Francisco.", "json_schema", CONTACT),
 )
+
+# The same schema answered again and again (a ticket-triage endpoint): the keys, enum values
+# and shapes repeat across requests while the values differ (suffix proposals' case).
+TICKET = {"type": "object",
+          "properties": {"category": {"enum": ["billing", "login", "shipping", "bug", "other"]},
+                         "priority": {"enum": ["low", "medium", "high", "urgent"]},
+                         "product": {"type": "string", "maxLength": 30},
+                         "needs_reply": {"type": "boolean"},
+                         "summary": {"type": "string", "maxLength": 60}},
+          "required": ["category", "priority", "product", "needs_reply", "summary"],
+          "additionalProperties": False}
+TRIAGE_ASK = "Triage this support ticket as JSON.\n\nTicket: "
+REPEATED: tuple[Case, ...] = tuple(
+    Case(f"ticket{i}", TRIAGE_ASK + text, "json_schema", TICKET) for i, text in enumerate((
+        "I was charged twice for my Pro plan this month, please refund one.",
+        "Cannot log in to the mobile app since the update, it says invalid token.",
+        "My order of the desk lamp has not arrived after three weeks.",
+        "The export button in the web dashboard crashes the page.",
+        "How do I change the email address on my account?",
+        "Invoice for March shows the wrong company name.",
+        "Password reset emails never arrive.",
+        "The tracking number for my headphones order does not work.",
+    )))

@@ -15,7 +15,8 @@ class Metrics:
             "requests_total": 0, "requests_constrained_total": 0, "request_errors_total": 0,
             "prompt_tokens_total": 0, "completion_tokens_total": 0,
             "draft_proposed_total": 0, "draft_accepted_total": 0, "draft_forced_total": 0,
-            "draft_looked_up_total": 0, "draft_model_total": 0, "draft_model_accepted_total": 0,
+            "draft_looked_up_total": 0, "draft_suffixed_total": 0,
+            "draft_suffixed_accepted_total": 0, "draft_model_total": 0, "draft_model_accepted_total": 0,
             "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
             "requests_rejected_total": 0,
         }
@@ -30,6 +31,8 @@ class Metrics:
         self.add(prompt_tokens_total=prompt_tokens, completion_tokens_total=completion_tokens,
                  draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
                  draft_forced_total=stats.forced, draft_looked_up_total=stats.looked_up,
+                 draft_suffixed_total=stats.suffixed,
+                 draft_suffixed_accepted_total=stats.suffixed_accepted,
                  draft_model_total=stats.drafted,
                  draft_model_accepted_total=stats.drafted_accepted,
                  grammar_cuts_total=stats.grammar_cuts,

@@ -147,6 +147,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "'none': no limit)")
     p.add_argument("--no-lookup", action="store_true",
                    help="do not propose tokens copied from the prompt (n-gram lookup)")
+    p.add_argument("--no-suffix", action="store_true",
+                   help="do not propose tokens from earlier answers (answers to the same "
+                        "grammar first, then any; kept in memory, bounded)")
     p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="tokens proposed per speculative round (1..16)")
     p.add_argument("--no-draft-masking", action="store_true",
@@ -190,7 +193,8 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
     elif name not in ("none", "", None):
         draft = load(name)
     spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting,
-                      lookup=not args.no_lookup, draft_min_prob=args.draft_min_prob)
+                      lookup=not args.no_lookup, suffix=not args.no_suffix,
+                      draft_min_prob=args.draft_min_prob)
     limit = args.draft_max_batch
     if limit not in ("auto", "none"):
         try:

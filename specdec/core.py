@@ -46,7 +46,7 @@ from .decode import (FinishReason, GrammarRefused, GrammarStateError, GrammarToo
                      TokenId, check_matcher, grammar_failure)
 from .decode import PREFILL_CHUNK
 from .decode import prefill as prefill_tokens
-from .lookup import NgramIndex
+from .lookup import NgramIndex, SuffixStore
 from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_noise,
                        unpack_bitmask)
 from .errors import InternalError, SpecdecError
@@ -176,6 +176,8 @@ class DecodeState:
     seq: list[TokenId] = field(default_factory=list)
     emitted: int = 0
     index: NgramIndex | None = None
+    suffixes: SuffixStore | None = None  # earlier answers proposing (`SpecConfig.suffix`)
+    suffix_key: str | None = None  # this request's key there (its grammar's text)
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
@@ -223,8 +225,12 @@ class DecodeState:
 def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
               eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
               spec: SpecConfig | None = None, matcher: LLMatcher | None = None,
-              stats: SpecStats | None = None, logprobs: int | None = None) -> DecodeState:
+              stats: SpecStats | None = None, logprobs: int | None = None,
+              suffixes: SuffixStore | None = None, suffix_key: str | None = None
+              ) -> DecodeState:
     """A request's state with empty caches (prefill with `prefill` or `prefill_arrivals`).
+    `suffixes`: earlier answers, where `spec.suffix` asks for their proposals; the output
+    joins them under `suffix_key` once it finishes (`scheduler.Scheduler`).
 
     Raises:
         ValueError: empty prompt, max_tokens < 1, sampling without a seed, a draft vocabulary
@@ -272,6 +278,8 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if spec is not None and spec.lookup:
         s.index = NgramIndex(s.seq)
+    if spec is not None and spec.suffix and suffixes is not None:
+        s.suffixes, s.suffix_key = suffixes, suffix_key
     s.ask_next_mask(models.vocab_size)  # fills while the prompt is prefilled
     return s
 
@@ -548,7 +556,9 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
                               else models.vocab_size, s.emitted, s.index,
                               run_on=len(live) == 1,
                               space=getattr(models.draft, "space", None),
-                              row0=rows.get(id(s)), budget_s=budget_s)
+                              row0=rows.get(id(s)), budget_s=budget_s,
+                              earlier=(s.suffixes.indexes(s.suffix_key)
+                                       if s.suffixes is not None else ()))
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:

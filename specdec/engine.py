@@ -33,6 +33,7 @@ from .errors import RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
 from .grammar import (CompiledGrammar, Constraint, GrammarCompiler, GrammarError, _schema_dict,
                       to_grammar)
+from .lookup import SuffixStore
 from .models import LoadedModel, gpu_backend
 from .output import Output
 from .reasoning import Thinking, marker_ids
@@ -199,6 +200,7 @@ class Engine:
         self.defaults = defaults
         self.masks = masks
         self.kv_store = PromptKVCache()
+        self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix`
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="specdec-compile")
         self.compiler = GrammarCompiler.for_hf_tokenizer(
@@ -705,7 +707,9 @@ class Engine:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
         return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
                          eos_token_ids=self.target.eos_token_ids, params=req.sampling,
-                         spec=req.spec, matcher=self.matcher(req), logprobs=req.logprobs)
+                         spec=req.spec, matcher=self.matcher(req), logprobs=req.logprobs,
+                         suffixes=self.suffixes,
+                         suffix_key=req.grammar.text if req.grammar is not None else None)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Prompt lookup: propose what followed the last time the context's suffix appeared.
+"""Prompt lookup: propose what followed the last time the context's suffix appeared (in the
+request's own context, `NgramIndex`; in earlier answers, `SuffixStore`).
 
 Extraction copies spans of the prompt into the output; once the output has started copying,
 the continuation is in the context already. The index maps every n-gram (n <= max_n) of the
@@ -8,6 +9,8 @@ dict probes and extending the context is O(max_n) per token.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from .decode import TokenId
@@ -74,3 +77,106 @@ class LookupCursor:
             self._pos += 1
         else:
             self._pos = None
+
+
+_END = -1  # between outputs in a store's index: no n-gram crosses it, no proposal is it
+
+
+class SuffixStore:
+    """Earlier outputs, indexed by n-gram: proposes what followed the context's suffix in a
+    recent answer (suffix decoding). Structured answers repeat across requests (a schema's
+    keys, enum values, tool names and argument shapes), so the answer to one request
+    proposes the next one's run of tokens. Proposals only: the target verifies each, so no
+    output of one request reaches another's response.
+
+    One index per key (a grammar's text: answers to the same schema) and one over every
+    output; a lookup tries the key's first. Bounded: each index holds at most `max_tokens`
+    tokens of the latest outputs (past that it is rebuilt from the newer half) and at most
+    `max_keys` keys are kept (least recently used dropped). Thread-safe.
+    """
+
+    def __init__(self, max_tokens: int = 1 << 16, max_keys: int = 64, max_n: int = 4,
+                 max_output: int = 4096) -> None:
+        self.max_tokens, self.max_keys, self.max_n = max_tokens, max_keys, max_n
+        self.max_output = max_output  # longer outputs are kept to this many first tokens
+        self._lock = threading.Lock()
+        self._by_key: OrderedDict[str, tuple[NgramIndex, deque[list[TokenId]]]] = OrderedDict()
+        self._all = (NgramIndex(max_n=max_n), deque())
+
+    def add(self, key: str | None, tokens: Sequence[TokenId],
+            lead: Sequence[TokenId] = ()) -> None:
+        """Index an output (under `key`, and in the index over every output). `lead`: the
+        prompt's last tokens (the template's answer header), indexed before the output so
+        the next answer's first tokens match too."""
+        toks = [int(t) for t in tokens[:self.max_output]]
+        if len(toks) < 2:
+            return
+        toks = [int(t) for t in lead[-self.max_n:]] + toks
+        with self._lock:
+            self._all = self._added(self._all, toks)
+            if key is not None:
+                entry = self._by_key.pop(key, None) or (NgramIndex(max_n=self.max_n), deque())
+                self._by_key[key] = self._added(entry, toks)
+                while len(self._by_key) > self.max_keys:
+                    self._by_key.popitem(last=False)
+
+    def _added(self, entry: tuple[NgramIndex, deque[list[TokenId]]], toks: list[TokenId]
+               ) -> tuple[NgramIndex, deque[list[TokenId]]]:
+        index, outputs = entry
+        outputs.append(toks)
+        if len(index.tokens) + len(toks) + 1 > self.max_tokens:
+            # Rebuilt from the newer half; readers keep the index they hold.
+            kept: deque[list[TokenId]] = deque()
+            n = 0
+            for out in reversed(outputs):
+                if n + len(out) + 1 > self.max_tokens // 2 and kept:
+                    break
+                kept.appendleft(out)
+                n += len(out) + 1
+            index = NgramIndex(max_n=self.max_n)
+            for out in kept:
+                index.extend(out + [_END])
+            return index, kept
+        index.extend(toks + [_END])
+        return index, outputs
+
+    def indexes(self, key: str | None) -> list[NgramIndex]:
+        """The indexes a lookup for `key` tries, in order (the key's, then every output's)."""
+        with self._lock:
+            entry = self._by_key.get(key) if key is not None else None
+            if entry is not None:
+                self._by_key.move_to_end(key)  # type: ignore[arg-type]
+            return [i for i in (entry[0] if entry else None, self._all[0])
+                    if i is not None and i.tokens]
+
+    @property
+    def n_tokens(self) -> int:
+        with self._lock:
+            return len(self._all[0].tokens) + sum(len(i.tokens) for i, _ in
+                                                  self._by_key.values())
+
+
+class SuffixCursor:
+    """`LookupCursor` over a store's indexes for one round: the first index whose n-gram
+    matches the context's suffix proposes; an output's end proposes nothing."""
+
+    def __init__(self, indexes: Sequence[NgramIndex], min_n: int) -> None:
+        self.cursors = [LookupCursor(i, min_n) for i in indexes]
+        self._at: LookupCursor | None = None
+
+    def next(self, context: Sequence[TokenId]) -> TokenId | None:
+        if self._at is not None:
+            t = self._at.next(context)
+            if t is not None and t != _END:
+                return t
+        self._at = None
+        for c in self.cursors:
+            t = c.next(context)
+            if t is not None and t != _END:
+                self._at = c
+                return t
+        return None
+
+    def advance(self, proposed: TokenId) -> None:
+        for c in self.cursors:
+            c.advance(proposed)

@@ -443,6 +443,9 @@ class Scheduler:
             self._active.remove(t)
         seconds = time.perf_counter() - t.t0
         if t.state is not None:
+            s = t.state
+            if error is None and s.suffixes is not None:  # it proposes for later answers
+                s.suffixes.add(s.suffix_key, s.seq[len(s.prompt):], lead=s.prompt)
             t.state.release()
             if not self._active or kv_positions(t.request) > ragged.SLOT_POSITIONS:
                 mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now

@@ -39,7 +39,7 @@ from llguidance import LLMatcher
 import time
 
 from .decode import StepTimings, TokenId, grammar_failure
-from .lookup import LookupCursor, NgramIndex
+from .lookup import LookupCursor, NgramIndex, SuffixCursor
 from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
 
 from .errors import RequestError
@@ -66,6 +66,8 @@ class SpecConfig:
         lookup: propose continuations of the context's own n-grams (prompt lookup) before
             asking the draft model; legal ones only, like every proposal.
         lookup_min_ngram: the shortest context suffix (tokens) a lookup match must repeat.
+        suffix: propose continuations from earlier answers (`lookup.SuffixStore`: those to
+            the same grammar first, then any), after prompt lookup; legal ones only.
         draft_min_prob: stop drafting this round when the draft model gives its own pick
             less than this probability (a likely rejection costs verify width and draft
             steps); 0 drafts all k.
@@ -76,6 +78,7 @@ class SpecConfig:
     forced_drafting: bool = True
     lookup: bool = False
     lookup_min_ngram: int = 2
+    suffix: bool = False
     draft_min_prob: float = 0.0
 
     @property
@@ -100,8 +103,9 @@ class SpecStats(StepTimings):
         rounds: draft/verify rounds.
         proposed: tokens proposed (forced, looked up or by the draft model).
         accepted: proposals equal to the target's pick.
-        forced, looked_up, drafted: proposals by source (grammar-forced, prompt lookup,
-            draft model); `*_accepted`: how many of each the target accepted.
+        forced, looked_up, suffixed, drafted: proposals by source (grammar-forced, prompt
+            lookup, earlier answers, draft model); `*_accepted`: how many of each the
+            target accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
         draft_load_skips: rounds in which the draft model was left out because the batch
             was larger than `Models.draft_max_batch`.
@@ -117,6 +121,8 @@ class SpecStats(StepTimings):
     forced_accepted: int = 0
     looked_up: int = 0
     looked_up_accepted: int = 0
+    suffixed: int = 0
+    suffixed_accepted: int = 0
     drafted: int = 0
     drafted_accepted: int = 0
     grammar_cuts: int = 0
@@ -170,12 +176,14 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
            index: NgramIndex | None = None, run_on: bool = True,
            space: np.ndarray | None = None, row0: np.ndarray | None = None,
-           budget_s: float | None = None
+           budget_s: float | None = None, earlier: Sequence[NgramIndex] = ()
            ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
-    forced token), prompt lookup (a legal continuation of a repeated n-gram), the draft model.
+    forced token), prompt lookup (a legal continuation of a repeated n-gram), earlier
+    answers (`earlier`: a `SuffixStore`'s indexes, the same), the draft model.
 
-    Returns (proposals, their sources: "forced" | "looked_up" | "drafted", how many proposals
+    Returns (proposals, their sources: "forced" | "looked_up" | "suffixed" | "drafted", how
+    many proposals
     the draft cache holds). The draft cache holds a prefix of `seq`; the tokens after it are
     fed with the next draft forward. With masking off an illegal proposal puts the clone in
     error, so drafting stops.
@@ -200,14 +208,17 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     # other requests wait for, while a run that stops at k finishes next round): k in all.
     k_model, kk = min(spec.k, kk), min(spec.cheap_k if run_on else spec.k, kk)
     clone = None
-    if matcher is not None and (spec.draft_masking or spec.forced_drafting or index):
+    if matcher is not None and (spec.draft_masking or spec.forced_drafting or index
+                                or earlier):
         clone = matcher.deep_copy()
     row = llnp.allocate_token_bitmask(1, vocab_size)  # the matcher's width: target logits
     feed = seq[d_cache[0].offset:] if d_cache else []  # not yet in the draft cache
     fed = 0
     seed = params.seed or 0
     cursor = LookupCursor(index, spec.lookup_min_ngram) if index is not None else None
-    tail = seq[-index.max_n:] if index is not None else []
+    suffix = SuffixCursor(earlier, spec.lookup_min_ngram) if earlier else None
+    max_n = max([i.max_n for i in earlier] + ([index.max_n] if index is not None else [1]))
+    tail = seq[-max_n:]
     for j in range(kk):
         forced = cand = None
         if clone is not None:
@@ -225,12 +236,17 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
             cand = cursor.next(tail)
             if cand is not None and clone is not None and not mask_allows(row[0], cand):
                 cand = None  # the grammar forbids it here: not a proposal
+        src = "looked_up"
+        if forced is None and cand is None and suffix is not None:
+            cand, src = suffix.next(tail), "suffixed"
+            if cand is not None and clone is not None and not mask_allows(row[0], cand):
+                cand = None
         if forced is not None:
             if forced >= draft_vocab:
                 break  # the draft cannot embed it; let the target decide
             tok, src = forced, "forced"
         elif cand is not None and cand < draft_vocab:
-            tok, src = cand, "looked_up"
+            tok = cand
         elif draft is None or j >= k_model:
             break  # no model (or its share is spent): stop at the first open position
         else:
@@ -268,7 +284,9 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
         feed.append(tok)
         if cursor is not None:
             cursor.advance(tok)
-            tail = (tail + [tok])[-cursor.index.max_n:]
+        if suffix is not None:
+            suffix.advance(tok)
+        tail = (tail + [tok])[-max_n:]
         if clone is not None:
             clone.consume_token(tok)
             if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it

@@ -25,8 +25,9 @@ SOURCES: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [accepted
 
 
 def record_sources(name: str, stats) -> None:
-    """Count proposals by source (lookup, draft model) so the summary shows they ran."""
-    for src in ("looked_up", "drafted"):
+    """Count proposals by source (lookup, earlier answers, draft model) so the summary shows
+    they ran."""
+    for src in ("looked_up", "suffixed", "drafted"):
         if getattr(stats, src):
             SOURCES[f"{name}, {src}"][0] += getattr(stats, src + "_accepted")
             SOURCES[f"{name}, {src}"][1] += getattr(stats, src)

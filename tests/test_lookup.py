@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.lookup import LookupCursor, NgramIndex
+from specdec.lookup import LookupCursor, NgramIndex, SuffixCursor, SuffixStore
 
 
 def test_longest_suffix_wins_and_latest_occurrence_is_used():
@@ -46,3 +46,51 @@ def test_cursor_follows_a_copied_span_and_researches_after_a_mismatch():
 def test_min_ngram_and_max_n_are_validated():
     with pytest.raises(ValueError, match="max_n"):
         NgramIndex([], max_n=0)
+
+
+def _propose(store: SuffixStore, key, context, n: int) -> list[int]:
+    """What a cursor over the store proposes for `n` steps, each proposal taken."""
+    cur, ctx, out = SuffixCursor(store.indexes(key), 2), list(context), []
+    for _ in range(n):
+        t = cur.next(ctx[-4:])
+        if t is None:
+            break
+        out.append(t)
+        cur.advance(t)
+        ctx.append(t)
+    return out
+
+
+def test_earlier_answers_propose_the_next_one_from_its_first_token():
+    store = SuffixStore()
+    header = [90, 91]  # the template's answer header ends every prompt
+    store.add("schema-a", [1, 2, 3, 4, 5], lead=[7, 8] + header)
+    # The next answer to the same schema: its first tokens follow the header.
+    assert _propose(store, "schema-a", [6] + header, 9) == [1, 2, 3, 4, 5]
+    # No n-gram runs across the end of one answer into the next.
+    store.add("schema-a", [30, 31, 32], lead=header)
+    assert _propose(store, "schema-a", [4, 5], 3) == []
+
+
+def test_the_keys_answers_come_first_then_any_answer():
+    store = SuffixStore()
+    store.add("a", [1, 2, 3, 4])
+    store.add("b", [1, 2, 9, 9])
+    assert _propose(store, "a", [1, 2], 2) == [3, 4]
+    assert _propose(store, "b", [1, 2], 2) == [9, 9]
+    # An unseen key falls back to every answer (the latest match)
+    assert _propose(store, "c", [1, 2], 2) == [9, 9]
+    assert _propose(store, None, [1, 2], 2) == [9, 9]
+
+
+def test_the_store_is_bounded_in_tokens_and_keys():
+    store = SuffixStore(max_tokens=100, max_keys=3, max_output=30)
+    for i in range(50):
+        store.add(f"k{i % 5}", list(range(i, i + 40)))  # cut to 30 tokens each
+    assert store.n_tokens <= 4 * 100  # every output index, plus at most 3 keys'
+    assert len(store._by_key) == 3
+    # the newest answers are the ones kept
+    assert _propose(store, "k4", [49, 50], 3) == [51, 52, 53]
+    assert _propose(store, None, [1, 2], 3) == []
+    store.add("k", [5])  # one token proposes nothing: not kept
+    assert store.indexes("k") == store.indexes(None)

@@ -15,6 +15,7 @@ from specdec.decode import GrammarStateError
 from specdec.engine import Engine
 from specdec.grammar import Constraint
 from specdec.models import LoadedModel, MappedDraft
+from specdec.lookup import SuffixStore
 from specdec.sampling import (SamplingParams, apply_mask, pick, position_noise,
                               unpack_bitmask)
 from specdec.speculative import (DraftConfigError, SpecConfig, SpecStats, single_allowed,
@@ -44,12 +45,12 @@ def plain(model, prompt, matcher=None, params=GREEDY, max_tokens=30):
 
 
 def spec_run(target, draft, prompt, matcher=None, params=GREEDY, max_tokens=30,
-             spec=SpecConfig(), draft_width=WIDTH):
+             spec=SpecConfig(), draft_width=WIDTH, **kw):
     stats = SpecStats()
     out = drain(speculative_steps(target, draft, prompt, vocab_size=WIDTH,
                                   draft_vocab_size=draft_width, eos_token_ids=EOS,
                                   max_tokens=max_tokens, matcher=matcher, params=params,
-                                  spec=spec, stats=stats))
+                                  spec=spec, stats=stats, **kw))
     return out, stats
 
 
@@ -228,12 +229,16 @@ LOOKUP_CELLS = [(k, dm, fd) for k, dm, fd in CELLS if k in (2, 8)]
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
-@pytest.mark.parametrize("draft_name", ["self", "bad", "none", "none+lookup", "bad+lookup"])
+@pytest.mark.parametrize("draft_name", ["self", "bad", "none", "none+lookup", "bad+lookup",
+                                        "bad+suffix"])
 @pytest.mark.parametrize("case", MATRIX_CASES, ids=[c.name for c in MATRIX_CASES])
 def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_name, mode):
     """Every {k} x {draft masking} x {forced drafting} cell equals plain decoding and the
     oracle token for token; cuts are 0 whenever draft masking is on. "+lookup": the serving
-    defaults on top (forced, then lookup, then the draft model, drafting ends below p=0.3)."""
+    defaults on top (forced, then lookup, then the draft model, drafting ends below p=0.3).
+    "+suffix": those and proposals from earlier answers (`lookup.SuffixStore`) holding the
+    other mode's answer and this answer with every seventh token changed, so runs of them
+    are accepted and then rejected mid-round."""
     params = GREEDY if mode == "greedy" else SEEDED
     g = compiler.compile(Constraint(case.kind, case.value))  # type: ignore[arg-type]
     model_name, _, lookup = draft_name.partition("+")
@@ -245,11 +250,22 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
                               top_p=params.top_p, seed=params.seed or 0)
     tally.record("tiny: plain vs oracle", report(oracle, want[0]) is None)
     assert report(oracle, want[0]) is None and want[1] == oracle.finish_reason
-    failures, cuts_on = [], 0
+    failures, cuts_on, suffixed, drafted = [], 0, 0, 0
+    store = None
+    if lookup == "suffix":
+        store = SuffixStore()
+        other = plain(target, prompt, g.matcher(), SEEDED if params.greedy else GREEDY, 40)
+        store.add(g.text, other[0], lead=prompt)
+        store.add(None, [t if i % 7 != 6 else (t + 1) % WIDTH for i, t in enumerate(want[0])],
+                  lead=prompt)
     for k, dm, fd in (LOOKUP_CELLS if lookup else CELLS):
         got, st = spec_run(target, draft, prompt, g.matcher(), params, max_tokens=40,
                            spec=SpecConfig(k, dm, fd, lookup=bool(lookup),
-                                           draft_min_prob=0.3 if lookup else 0.0))
+                                           suffix=lookup == "suffix",
+                                           draft_min_prob=0.3 if lookup else 0.0),
+                           suffixes=store, suffix_key=g.text)
+        suffixed += st.suffixed
+        drafted += st.drafted
         same = got == want
         tally.record(f"tiny: spec vs plain ({draft_name} draft)", same)
         tally.record_cuts(dm, st.grammar_cuts)
@@ -260,6 +276,8 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
             cuts_on += st.grammar_cuts
     assert not failures, f"cells differing from plain decoding: {failures}"
     assert cuts_on == 0
+    # earlier answers proposed wherever the grammar left a choice the draft model proposed at
+    assert store is None or suffixed > 0 or drafted == 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_k=20, seed=3),

@@ -33,7 +33,7 @@ def drain(gen):
 
 
 def rounds(models, prompt, *, max_tokens, eos_token_ids=EOS, params=None, matcher=None,
-           spec=None, timings=None, kv_store=None):
+           spec=None, timings=None, kv_store=None, suffixes=None, suffix_key=None):
     """One request decoded alone through the core (`core.new_state`, `prefill`, then
     `run_round` until it ends): yields its tokens (EOS never yielded), returns the finish
     reason; raises the request's GrammarStateError. `timings` collects its counters."""
@@ -43,7 +43,8 @@ def rounds(models, prompt, *, max_tokens, eos_token_ids=EOS, params=None, matche
 
     stats = SpecStats()
     s = new_state(models, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
-                  params=params or SamplingParams(), spec=spec, matcher=matcher, stats=stats)
+                  params=params or SamplingParams(), spec=spec, matcher=matcher, stats=stats,
+                  suffixes=suffixes, suffix_key=suffix_key)
     try:
         prefill(models, s, kv_store)
         while True:
