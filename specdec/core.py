@@ -302,8 +302,8 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
 def prefill_arrivals(models: Models, states: Sequence[DecodeState],
                      budget: int = PREFILL_CHUNK, kv_store: PromptKVCache | None = None
                      ) -> None:
-    """Advance arriving requests' prefill, in order: a prompt whose every cache is stored is
-    restored; the others take chunks until `budget` tokens in all, prefilled in one ragged
+    """Advance arriving requests' prefill, in order: a prompt whose target state is stored is
+    restored (the draft's restored or prefilled whole); the others take chunks until `budget` tokens in all, prefilled in one ragged
     target forward (so running requests stall for at most `budget` tokens per round)."""
     todo: list[tuple[DecodeState, list[TokenId]]] = []
     used = 0
@@ -313,11 +313,11 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
         t0 = time.perf_counter()
         head = list(s.prompt[:-1])
         at = len(head) - s.to_prefill
-        if at == 0 and kv_store is not None and kv_store.has(models.target, head) and (
-                not s.d_cache or kv_store.has(models.draft, head)):  # both caches, or neither
+        if at == 0 and kv_store is not None and kv_store.has(models.target, head):
             kv_store.restore(models.target, head, s.t_cache)
-            if s.d_cache:
-                kv_store.restore(models.draft, head, s.d_cache)
+            if s.d_cache:  # the draft's too, or prefilled now (a draft is the cheap part)
+                kv_store.prefill(models.draft, head, s.d_cache)
+                mx.eval([c.state for c in s.d_cache])
             s.to_prefill = 0
             s.stats.prefill_s += time.perf_counter() - t0
             continue
