@@ -147,6 +147,26 @@ def test_server_concurrency(benchmark, server, structured):
     benchmark.pedantic(run_all, rounds=1, iterations=1)
 
 
+def test_constrained_over_unconstrained_by_concurrency(benchmark, server):
+    """The overhead table's concurrency rows: at each level, the same clients and workloads
+    with and without their JSON schemas (serving defaults), arms adjacent and alternating."""
+    rounds = 1 if QUICK else 2
+
+    def run_all() -> None:
+        for c in LEVELS:
+            ratios = []
+            for r in range(rounds):
+                got = {s: load(server.client(), c, PASSES, s)[0]
+                       for s in ((True, False) if (r + c) % 2 == 0 else (False, True))}
+                ratios.append(got[True] / got[False])
+            results.add(f"constrained_over_unconstrained_c{c}", statistics.median(ratios),
+                        "ratio", f"{c} clients x {N_CASES * PASSES} requests per arm, "
+                        f"structured vs not, serving defaults, median of {rounds} adjacent "
+                        f"pairs; nproc {os.cpu_count()}")
+
+    benchmark.pedantic(run_all, rounds=1, iterations=1)
+
+
 def test_batched_spec_over_batched_plain_c8(benchmark, server):
     """Speculation still pays under load: 8 clients, structured, the serving defaults vs
     the same requests decoded plainly (num_draft_tokens 0), arms interleaved."""

@@ -100,7 +100,15 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     want = plain(e, ids, c, p, MAX_TOKENS)
     bad = []
     cells = [SpecConfig(k, dm, fd) for k, dm, fd in CELLS[mode]]
-    cells += [SpecConfig(4, lookup=True), SpecConfig(4, lookup=True, draft_min_prob=0.3)]
+    cells += [SpecConfig(4, lookup=True), SpecConfig(4, lookup=True, draft_min_prob=0.3),
+              SpecConfig(4, lookup=True, suffix=True, draft_min_prob=0.3)]
+    # Earlier answers for the suffix cell: the other mode's, and this one with every fifth
+    # token changed (runs accepted, then a rejection mid-round).
+    other = plain(e, ids, c, MODES["seeded" if p.greedy else "greedy"], MAX_TOKENS)
+    key = e.compiler.compile(c).text
+    e.suffixes.add(key, other.tokens, lead=ids)
+    e.suffixes.add(key, [t if i % 5 != 4 else t + 1 for i, t in enumerate(want.tokens)],
+                   lead=ids)
     for spec in cells:
         got = e.generate(e.prepare(ids, constraint=c, sampling=p, max_tokens=MAX_TOKENS,
                                    spec=spec))
@@ -110,6 +118,7 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
         tally.record_sources(f"embedded {mode}, distilled draft", got.stats)
         if not same or (spec.draft_masking and got.stats.grammar_cuts):
             bad.append((spec, got.stats.grammar_cuts))
+        assert not spec.suffix or got.stats.suffixed_accepted > 0
     assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
 
 
