@@ -33,7 +33,7 @@ from .errors import RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
 from .grammar import (CompiledGrammar, Constraint, GrammarCompiler, GrammarError, _schema_dict,
                       to_grammar)
-from .lookup import SuffixStore
+from .lookup import SuffixStore, grammar_key
 from .models import LoadedModel, gpu_backend
 from .output import Output
 from .reasoning import Thinking, marker_ids
@@ -709,7 +709,8 @@ class Engine:
                          eos_token_ids=self.target.eos_token_ids, params=req.sampling,
                          spec=req.spec, matcher=self.matcher(req), logprobs=req.logprobs,
                          suffixes=self.suffixes,
-                         suffix_key=req.grammar.text if req.grammar is not None else None)
+                         suffix_key=(grammar_key(req.grammar.text)
+                                     if req.grammar is not None else None))
 
 
 @dataclass(frozen=True)

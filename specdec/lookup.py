@@ -9,6 +9,7 @@ dict probes and extending the context is O(max_n) per token.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
@@ -79,6 +80,11 @@ class LookupCursor:
             self._pos = None
 
 
+def grammar_key(text: str) -> str:
+    """A `SuffixStore` key for answers to one grammar: a digest of its text."""
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
 _END = -1  # between outputs in a store's index: no n-gram crosses it, no proposal is it
 
 
@@ -89,15 +95,18 @@ class SuffixStore:
     proposes the next one's run of tokens. Proposals only: the target verifies each, so no
     output of one request reaches another's response.
 
-    One index per key (a grammar's text: answers to the same schema) and one over every
-    output; a lookup tries the key's first. Bounded: each index holds at most `max_tokens`
-    tokens of the latest outputs (past that it is rebuilt from the newer half) and at most
-    `max_keys` keys are kept (least recently used dropped). Thread-safe.
+    One index per key (a digest of a grammar's text: answers to the same schema) and one
+    over every output; a lookup tries the key's first. Bounded: the index over every output
+    holds at most `max_tokens` tokens of the latest outputs, a key's `key_tokens` (past that
+    an index is rebuilt from its newer half), and at most `max_keys` keys are kept (least
+    recently used dropped). An indexed token costs ~0.5 KB: ~150 MB at most by default.
+    Thread-safe.
     """
 
-    def __init__(self, max_tokens: int = 1 << 16, max_keys: int = 64, max_n: int = 4,
-                 max_output: int = 4096) -> None:
-        self.max_tokens, self.max_keys, self.max_n = max_tokens, max_keys, max_n
+    def __init__(self, max_tokens: int = 1 << 15, key_tokens: int = 1 << 13,
+                 max_keys: int = 32, max_n: int = 4, max_output: int = 4096) -> None:
+        self.max_tokens, self.key_tokens = max_tokens, key_tokens
+        self.max_keys, self.max_n = max_keys, max_n
         self.max_output = max_output  # longer outputs are kept to this many first tokens
         self._lock = threading.Lock()
         self._by_key: OrderedDict[str, tuple[NgramIndex, deque[list[TokenId]]]] = OrderedDict()
@@ -113,27 +122,28 @@ class SuffixStore:
             return
         toks = [int(t) for t in lead[-self.max_n:]] + toks
         with self._lock:
-            self._all = self._added(self._all, toks)
+            self._all = self._added(self._all, toks, self.max_tokens)
             if key is not None:
                 entry = self._by_key.pop(key, None) or (NgramIndex(max_n=self.max_n), deque())
-                self._by_key[key] = self._added(entry, toks)
+                self._by_key[key] = self._added(entry, toks, self.key_tokens)
                 while len(self._by_key) > self.max_keys:
                     self._by_key.popitem(last=False)
 
-    def _added(self, entry: tuple[NgramIndex, deque[list[TokenId]]], toks: list[TokenId]
-               ) -> tuple[NgramIndex, deque[list[TokenId]]]:
+    @staticmethod
+    def _added(entry: tuple[NgramIndex, deque[list[TokenId]]], toks: list[TokenId],
+               limit: int) -> tuple[NgramIndex, deque[list[TokenId]]]:
         index, outputs = entry
         outputs.append(toks)
-        if len(index.tokens) + len(toks) + 1 > self.max_tokens:
+        if len(index.tokens) + len(toks) + 1 > limit:
             # Rebuilt from the newer half; readers keep the index they hold.
             kept: deque[list[TokenId]] = deque()
             n = 0
             for out in reversed(outputs):
-                if n + len(out) + 1 > self.max_tokens // 2 and kept:
+                if n + len(out) + 1 > limit // 2 and kept:
                     break
                 kept.appendleft(out)
                 n += len(out) + 1
-            index = NgramIndex(max_n=self.max_n)
+            index = NgramIndex(max_n=index.max_n)
             for out in kept:
                 index.extend(out + [_END])
             return index, kept

@@ -18,6 +18,7 @@ import pytest
 from specdec import blas
 from bench.workloads import EXTRACTION
 from specdec.grammar import Constraint
+from specdec.lookup import grammar_key
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
@@ -105,7 +106,7 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     # Earlier answers for the suffix cell: the other mode's, and this one with every fifth
     # token changed (runs accepted, then a rejection mid-round).
     other = plain(e, ids, c, MODES["seeded" if p.greedy else "greedy"], MAX_TOKENS)
-    key = e.compiler.compile(c).text
+    key = grammar_key(e.compiler.compile(c).text)  # the key the engine files answers under
     e.suffixes.add(key, other.tokens, lead=ids)
     e.suffixes.add(key, [t if i % 5 != 4 else t + 1 for i, t in enumerate(want.tokens)],
                    lead=ids)

@@ -84,7 +84,7 @@ def test_the_keys_answers_come_first_then_any_answer():
 
 
 def test_the_store_is_bounded_in_tokens_and_keys():
-    store = SuffixStore(max_tokens=100, max_keys=3, max_output=30)
+    store = SuffixStore(max_tokens=100, key_tokens=100, max_keys=3, max_output=30)
     for i in range(50):
         store.add(f"k{i % 5}", list(range(i, i + 40)))  # cut to 30 tokens each
     assert store.n_tokens <= 4 * 100  # every output index, plus at most 3 keys'
