@@ -177,7 +177,7 @@ class DecodeState:
     emitted: int = 0
     index: NgramIndex | None = None
     suffixes: SuffixStore | None = None  # earlier answers proposing (`SpecConfig.suffix`)
-    suffix_key: str | None = None  # this request's key there (its grammar's text)
+    suffix_key: str | None = None  # its key there (`lookup.grammar_key` of its grammar)
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
@@ -303,8 +303,9 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
                      budget: int = PREFILL_CHUNK, kv_store: PromptKVCache | None = None
                      ) -> None:
     """Advance arriving requests' prefill, in order: a prompt whose target state is stored is
-    restored (the draft's restored or prefilled whole); the others take chunks until `budget` tokens in all, prefilled in one ragged
-    target forward (so running requests stall for at most `budget` tokens per round)."""
+    restored (the draft's restored, or prefilled whole); the others take chunks until
+    `budget` tokens in all, prefilled in one ragged target forward (so running requests
+    stall for at most `budget` tokens per round)."""
     todo: list[tuple[DecodeState, list[TokenId]]] = []
     used = 0
     for s in states:
