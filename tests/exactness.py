@@ -67,6 +67,23 @@ def plain(engine: Engine, ids: list[int], constraint: Constraint, sampling: Samp
     return _PLAIN[key][1]
 
 
+def cells_vs(engines: dict[str, Engine], cells: list[Cell], want: GenerationResult,
+             label: str, tag: str, ids: list[int], **prepare) -> tuple[list[str], list]:
+    """Decode one request (`Engine.prepare(ids, spec=cell.spec, **prepare)`) by each cell and
+    compare tokens and finish with `want`, counted under `label`: (a line per cell that
+    differs, prefixed with `tag`; each cell's result)."""
+    bad, results = [], []
+    for cell in cells:
+        eng = engines[cell.draft]
+        got = eng.generate(eng.prepare(ids, spec=cell.spec, **prepare))
+        same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        tally.record(label, same)
+        if not same:
+            bad.append(f"{tag} {cell.name}: {got.tokens} != {want.tokens}")
+        results.append(got)
+    return bad, results
+
+
 def run_cells(engines: dict[str, Engine], ids: list[int], constraint: Constraint,
               sampling: SamplingParams, max_tokens: int, cells: list[Cell], label: str
               ) -> list[str]:

@@ -32,7 +32,7 @@ from specdec.grammar import Constraint
 from specdec.models import load
 from specdec.reasoning import ReasoningDeltas, Thinking, marker_ids, split_reasoning
 from tests import tally
-from tests.exactness import MODES
+from tests.exactness import MODES, cells_vs
 from tests.families import make_family
 from tests.test_families import CELLS  # the proposer cells every family runs
 
@@ -183,15 +183,11 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
             seen_ends.add(end)
             if want.finish_reason == "stop":
                 jsonschema.validate(json.loads(answer), SCHEMA)
-            for cell in CELLS:
-                eng = engines[cell.draft]
-                got = eng.generate(eng.prepare(ids, constraint=constraint, sampling=params,
-                                               max_tokens=MAX_TOKENS, spec=cell.spec,
-                                               thinking=thinking))
-                same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
-                tally.record(f"reasoning: spec cells vs plain ({family})", same)
-                if not same:
-                    bad.append(f"{end} {mode} {cell.name}: {got.tokens} != {want.tokens}")
+            lines, gots = cells_vs(engines, CELLS, want, f"reasoning: spec cells vs plain "
+                                   f"({family})", f"{end} {mode}", ids, constraint=constraint,
+                                   sampling=params, max_tokens=MAX_TOKENS, thinking=thinking)
+            bad += lines
+            for cell, got in zip(CELLS, gots):
                 if cell.draft == "self":
                     assert got.stats.counters.proposed > 0
     assert not bad, "\n".join(bad)

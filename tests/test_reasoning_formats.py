@@ -31,7 +31,7 @@ from specdec.grammar import Constraint
 from specdec.models import load
 from specdec.reasoning import Thinking, marker_ids, split_reasoning
 from tests import tally
-from tests.exactness import MODES
+from tests.exactness import MODES, cells_vs
 from tests.families import make_family
 from tests.test_families import CELLS
 from tests.test_reasoning import MESSAGES, NATURAL_BIASES, SCHEMA
@@ -189,15 +189,9 @@ def test_plain_equals_oracle_and_every_cell_equals_plain_across_the_end_of_reaso
             assert thinking.close not in reasoning and want.text == answer
             if want.finish_reason == "stop":
                 jsonschema.validate(json.loads(answer), SCHEMA)
-            for cell in CELLS:
-                eng = engines[cell.draft]
-                got = eng.generate(eng.prepare(ids, constraint=constraint, sampling=params,
-                                               max_tokens=MAX_TOKENS, spec=cell.spec,
-                                               thinking=thinking))
-                same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
-                tally.record(f"reasoning formats: spec cells vs plain ({fmt})", same)
-                if not same:
-                    bad.append(f"{end} {mode} {cell.name}: {got.tokens} != {want.tokens}")
+            bad += cells_vs(engines, CELLS, want, f"reasoning formats: spec cells vs plain "
+                            f"({fmt})", f"{end} {mode}", ids, constraint=constraint,
+                            sampling=params, max_tokens=MAX_TOKENS, thinking=thinking)[0]
             got = _in_batch(e, e.prepare(ids, constraint=constraint, sampling=params,
                                          max_tokens=MAX_TOKENS, spec=None, thinking=thinking),
                             neighbours)
