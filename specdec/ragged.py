@@ -80,7 +80,8 @@ def supports(model: nn.Module) -> bool:
 
 
 def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
-            rows: Sequence[int] | None = None, mapped: bool = True) -> list[mx.array | None]:
+            rows: Sequence[int] | None = None, mapped: bool = True,
+            trees: Sequence[Sequence[int] | None] | None = None) -> list[mx.array | None]:
     """Logits for every request's rows, in one pass.
 
     Args:
@@ -90,14 +91,24 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
         rows: how many trailing rows of each segment need logits (default: all); 0 (a
             prefill chunk) skips the head for that segment.
         mapped: False: a pruned-vocabulary draft's own logits (`raw`), not target-width.
+        trees: per segment, None (its rows are a sequence: row t at position offset + t,
+            attending to every row before it) or a token tree: the parent row of each row
+            (-1 for row 0; a parent before its child). Row t then sits at position offset +
+            its depth and attends to the cache and its own ancestors only, so its logits are
+            those of its branch decoded as a sequence; its keys and values are stored at
+            offset + t all the same (`keep_rows` moves an accepted branch together).
+            Only for models `supports` batches.
     Returns:
         one (rows_i, V) logits array per segment (None where rows_i is 0).
     """
     rows = [len(t) for t, _ in segments] if rows is None else list(rows)
+    trees = list(trees) if trees is not None and any(t is not None for t in trees) else None
     base = _base(model)
     if base is not model and supports(base):
-        out = forward(base, [(model.map_ids(t), c) for t, c in segments], rows)
+        out = forward(base, [(model.map_ids(t), c) for t, c in segments], rows, trees=trees)
         return [x if x is None or not mapped else model.map_logits(x) for x in out]
+    if trees is not None and not supports(model):
+        raise ValueError(f"{type(model).__name__}: token trees need the batched layout")
     if not supports(model):
         out: list[mx.array | None] = []
         call = model if mapped else getattr(model, "raw", model)
@@ -116,7 +127,15 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
         bounds.append(bounds[-1] + n)
     _reserve(segments, _kv_dims(inner, h.dtype))  # no storage changes shape during the pass
     batched = _batched(segments)
-    plan = _plan(inner, segments, batched) if batched else None
+    plan = _plan(inner, segments, batched, trees) if batched else None
+    # Alone, a tree's rows take RoPE at their depths and attend under its mask (`_visible`).
+    alone_tree: dict[int, tuple[mx.array, mx.array]] = {}
+    for i in set(range(len(segments))) - set(batched):
+        if trees is not None and trees[i] is not None:
+            off = segments[i][1][0].offset
+            alone_tree[i] = (mx.array((off + _depths(trees[i])).astype(np.int32)),
+                             mx.array(_visible(off, lens[i], trees[i], lens[i],
+                                               off + lens[i]))[None, None])
     alone = sorted(set(range(len(segments))) - set(batched))
     # Attention output rows: the batched call's (padded, `plan.where`), then each alone
     # segment's; `back` puts the real rows in segment order for o_proj.
@@ -138,13 +157,21 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
         for i in alone:
             s, e = bounds[i], bounds[i + 1]
             c = segments[i][1][li]
-            qi = q[:, s:e].reshape(1, e - s, a.n_heads, -1).transpose(0, 2, 1, 3)
-            ki = k[:, s:e].reshape(1, e - s, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
             vi = v[:, s:e].reshape(1, e - s, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            qi = a.rope(qi, offset=c.offset)
-            ki = a.rope(ki, offset=c.offset)
-            ki, vi = c.update_and_fetch(ki, vi)
-            mask = create_attention_mask(x[:, s:e], c)
+            if i in alone_tree:
+                pos, mask = alone_tree[i]
+                qi = a.rope(q[0, s:e].reshape(e - s, a.n_heads, 1, -1), offset=pos)
+                ki = a.rope(k[0, s:e].reshape(e - s, a.n_kv_heads, 1, -1), offset=pos)
+                qi = qi.reshape(1, e - s, a.n_heads, -1).transpose(0, 2, 1, 3)
+                ki = ki.reshape(1, e - s, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                ki, vi = c.update_and_fetch(ki, vi)
+            else:
+                qi = q[:, s:e].reshape(1, e - s, a.n_heads, -1).transpose(0, 2, 1, 3)
+                ki = k[:, s:e].reshape(1, e - s, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                qi = a.rope(qi, offset=c.offset)
+                ki = a.rope(ki, offset=c.offset)
+                ki, vi = c.update_and_fetch(ki, vi)
+                mask = create_attention_mask(x[:, s:e], c)
             o = scaled_dot_product_attention(qi, ki, vi, cache=c, scale=a.scale, mask=mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(e - s, -1))
         o = mx.concatenate(outs) if len(outs) > 1 else outs[0]  # (rows out, n_heads * v_dim)
@@ -614,7 +641,51 @@ class _Plan:
     v_dim: int
 
 
-def _plan(inner: nn.Module, segments, batched: Sequence[int]) -> _Plan:
+def _depths(tree: Sequence[int]) -> np.ndarray:
+    """Each row's depth in a token tree (parents, -1 for the root row)."""
+    d = np.zeros(len(tree), dtype=np.int32)
+    for r, p in enumerate(tree):
+        if p >= r:
+            raise ValueError(f"token tree: row {r}'s parent {p} does not come before it")
+        d[r] = 0 if p < 0 else d[p] + 1
+    return d
+
+
+def _visible(off: int, n: int, tree: Sequence[int] | None, tm: int, span: int) -> np.ndarray:
+    """(tm, span) bool: the cache positions each of a segment's rows attends to (rows past its
+    n repeat its last): a sequence's rows see every position up to their own; a tree's see
+    the cache before the segment and their own ancestors' positions (and their own)."""
+    t = np.minimum(np.arange(tm), n - 1)
+    if tree is None:
+        return np.arange(span)[None, :] <= (off + t)[:, None]
+    vis = np.zeros((tm, span), dtype=bool)
+    vis[:, :off] = True
+    for j, r in enumerate(t):
+        while r >= 0:
+            vis[j, off + r] = True
+            r = tree[r]
+    return vis
+
+
+def keep_rows(cache: list, start: int, keep: Sequence[int]) -> None:
+    """After a token tree's forward: the keys and values of the kept rows (a branch, rows by
+    index from `start`, ascending) moved to start, start + 1, ... (the branch as a sequence
+    holds them; their RoPE positions are already those). Trim the rest afterwards."""
+    k0 = next((k for k, r in enumerate(keep) if r != k), None)
+    if k0 is None:
+        return
+    src = mx.array([start + r for r in keep[k0:]])
+    for c in cache:
+        if not isinstance(c, SlotCache):
+            raise TypeError(f"{type(c).__name__}: token trees need slab caches")
+        slab, i = c.slot.slab, c.slot.i
+        keys = slab.keys[c.layer][i:i + 1, :, src]
+        values = slab.values[c.layer][i:i + 1, :, src]
+        c._write(keys, values, start + k0)
+
+
+def _plan(inner: nn.Module, segments, batched: Sequence[int],
+          trees: Sequence[Sequence[int] | None] | None = None) -> _Plan:
     """Rows, positions, writes and attention groups (`_groups`) of the batched segments. A
     group's rows are padded to its longest segment (a padded row repeats the segment's last
     row) and its keys to its furthest end; masking (finfo.min scores, zero weights) keeps
@@ -623,6 +694,7 @@ def _plan(inner: nn.Module, segments, batched: Sequence[int]) -> _Plan:
     for toks, _ in segments:
         first.append(first[-1] + len(toks))
     segs = [segments[i] for i in batched]
+    tree_of = [None if trees is None else trees[i] for i in batched]
     slab = segs[0][1][0].slot.slab
     lens = [len(t) for t, _ in segs]
     slots = [c[0].slot.i for _, c in segs]
@@ -637,7 +709,9 @@ def _plan(inner: nn.Module, segments, batched: Sequence[int]) -> _Plan:
         starts.append(starts[-1] + n)
     rows = None if list(batched) == list(range(len(segments))) else \
         mx.array([first[i] + t for i in batched for t in range(len(segments[i][0]))])
-    pos = mx.array([o + t for o, n in zip(offs, lens) for t in range(n)])  # (rows,)
+    pos = mx.array(np.concatenate([o + (np.arange(n) if tr is None else _depths(tr))
+                                   for o, n, tr in zip(offs, lens, tree_of)]
+                                  ).astype(np.int32))  # (rows,) each row's position
     writes = mx.array([(s * kv_heads + hh) * cap + o + t for s, o, n in zip(slots, offs, lens)
                        for t in range(n) for hh in range(kv_heads)])  # row-major (row, head)
     groups, where, at = [], [0] * len(lens), 0  # where[j]: segment j's first output row
@@ -647,8 +721,8 @@ def _plan(inner: nn.Module, segments, batched: Sequence[int]) -> _Plan:
         lo = min(gs)
         kv_at = slice(lo, lo + len(g)) if gs == list(range(lo, lo + len(g))) else mx.array(gs)
         q_rows = mx.array([starts[i] + min(t, lens[i] - 1) for i in g for t in range(tm)])
-        qpos = np.array([[offs[i] + min(t, lens[i] - 1) for t in range(tm)] for i in g])
-        mask = mx.array((np.arange(span)[None, None, :] <= qpos[:, :, None])[:, None])
+        mask = mx.array(np.stack([_visible(offs[i], lens[i], tree_of[i], tm, span)
+                                  for i in g])[:, None])
         for j, i in enumerate(g):
             where[i] = at + j * tm
         groups.append((len(g), tm, span, kv_at, q_rows, mask))

@@ -163,10 +163,17 @@ def pick(logits: mx.array, params: SamplingParams, noise: mx.array | None) -> mx
     Greedy: argmax (first index on ties). Sampling: Gumbel-max over the temperature-scaled,
     top-k/top-p filtered logits with each row's position noise (..., V).
     """
+    return mx.argmax(pick_scores(logits, params, noise), axis=-1)
+
+
+def pick_scores(logits: mx.array, params: SamplingParams, noise: mx.array | None) -> mx.array:
+    """What `pick` takes the argmax of: the logits (greedy), or the temperature-scaled,
+    filtered logits plus the position noise (sampling); its order ranks a row's candidates
+    (a token tree's alternatives, `speculative.draft_steps`)."""
     if params.greedy:
-        return mx.argmax(logits, axis=-1)
+        return logits
     assert noise is not None, "sampling needs the position's noise"
     x = logits / mx.array(params.temperature, dtype=mx.float32)
     x = filter_top_k(x, params.top_k)
     x = filter_top_p(x, params.top_p)
-    return mx.argmax(x + noise, axis=-1)
+    return x + noise

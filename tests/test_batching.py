@@ -358,3 +358,90 @@ def test_the_scheduler_thread_releases_its_mlx_streams_when_it_stops(models, mon
     sched = Scheduler(models, lambda req: None, max_batch=2, max_queue=0)
     sched.stop(wait_s=10)
     assert released == ["specdec-scheduler"]
+
+
+def _random_tree(rng: random.Random, n: int) -> list[int]:
+    """Parents of n rows (row 0 the root, -1): each later row under a random earlier one."""
+    return [-1] + [rng.randrange(r) for r in range(1, n)]
+
+
+def _branch(tree: list[int], r: int) -> list[int]:
+    out = []
+    while r >= 0:
+        out.append(r)
+        r = tree[r]
+    return out[::-1]
+
+
+def tree_invariance(model, seed: int, trials: int) -> tuple[int, int]:
+    """Token trees verified in one forward (alone, and inside ragged batches next to chains
+    and other trees) against each branch decoded as a sequence by mlx-lm's own forward: rows
+    compared, rows differing. After each tree, one branch is kept (`keep_rows`, then trimmed)
+    and the next step's logits compared too."""
+    rng = random.Random(seed)
+    compared = differ = 0
+    for _ in range(trials):
+        prompt = [rng.randrange(300, 9000) for _ in range(rng.randrange(3, 30))]
+        n = rng.randrange(2, 12)
+        tree = _random_tree(rng, n)
+        toks = [rng.randrange(300, 9000) for _ in range(n)]
+        nxt = rng.randrange(300, 9000)
+        c = ragged.make_cache(model)
+        ragged.forward(model, [(prompt, c)], rows=[0])
+        batch = [(toks, c)]
+        others = []
+        if rng.random() < 0.7:  # neighbours: chains and trees of their own
+            for _ in range(rng.randrange(1, 5)):
+                nc = ragged.make_cache(model)
+                ragged.forward(model, [([rng.randrange(300, 9000) for _ in range(
+                    rng.randrange(2, 20))], nc)], rows=[0])
+                m = rng.randrange(1, 9)
+                others.append((([rng.randrange(300, 9000) for _ in range(m)], nc),
+                               _random_tree(rng, m) if rng.random() < 0.5 else None))
+        pos = rng.randrange(len(others) + 1)
+        segs = [s for s, _ in others]
+        trees = [t for _, t in others]
+        segs.insert(pos, (toks, c))
+        trees.insert(pos, tree)
+        got = np.array(ragged.forward(model, segs, trees=trees)[pos])
+        keep = _branch(tree, rng.randrange(n))
+        start = c[0].offset - n
+        ragged.keep_rows(c, start, keep)
+        for layer in c:
+            layer.trim(n - len(keep))
+        after = np.array(ragged.forward(model, [([nxt], c)])[0])
+        for r in range(n):
+            alone = make_prompt_cache(model)
+            path = [toks[b] for b in _branch(tree, r)]
+            x = model(mx.array([prompt + path]), cache=alone)[0, -1]
+            # the same positions one token at a time (how plain decoding computes them)
+            seq = make_prompt_cache(model)
+            model(mx.array([prompt]), cache=seq)
+            for t in path[:-1]:
+                model(mx.array([[t]]), cache=seq)
+            y = model(mx.array([[path[-1]]]), cache=seq)[0, -1]
+            if r in keep and r == keep[-1]:
+                z = model(mx.array([[nxt]]), cache=seq)[0, -1]
+                compared += 1
+                differ += int(not np.array_equal(np.array(z), after[0]))
+            compared += 1
+            differ += int(not np.array_equal(np.array(y), got[r]))
+            del x
+    return compared, differ
+
+
+def test_token_trees_verify_each_branch_as_its_sequence_bitwise(target):
+    # Each tree row's logits are its branch's, decoded one token at a time, bit for bit; a
+    # kept branch moved together decodes on as the sequence does.
+    assert blas.active() == "reference"
+    compared, differ = tree_invariance(target, seed=0, trials=40)
+    tally.NOTES.append(f"token trees, tiny llama, reference BLAS: {differ} of {compared} rows "
+                       "differ from their branch decoded alone")
+    assert compared > 200 and differ == 0
+
+
+def test_token_trees_on_the_embedded_model_bitwise(embedded):
+    compared, differ = tree_invariance(embedded.model, seed=1, trials=4)
+    tally.NOTES.append(f"token trees, embedded model, reference BLAS: {differ} of {compared} "
+                       "rows differ from their branch decoded alone")
+    assert compared > 10 and differ == 0
