@@ -51,7 +51,8 @@ from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_n
                        unpack_bitmask)
 from .errors import InternalError, SpecdecError
 from .events import TokenLogprob
-from .speculative import SpecConfig, SpecStats, _trim, draft_steps, verify_masks
+from .speculative import (SpecConfig, SpecStats, _trim, draft_steps, tree_masks, tree_path,
+                          verify_masks)
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
@@ -251,7 +252,8 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     stats = stats if stats is not None else SpecStats()
     # The most positions it can hold: a slab slot, or storage of its own when that is more
     # than a slot holds (`ragged.SLOT_POSITIONS`), so one long request sizes no other's.
-    horizon = len(prompt) + max_tokens + (spec.cheap_k + 1 if spec is not None else 1)
+    horizon = len(prompt) + max_tokens + (spec.cheap_k + spec.tree + 1 if spec is not None
+                                          else 1)
     t_cache = ragged.make_cache(models.target, horizon)
     d_cache: list = []
     if spec is not None:
@@ -426,25 +428,36 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.round_mask_s = 0.0
     in_round = models.masks.slow_s if models.masks.in_round else None
     # 1. Propose: every request's proposers in lock-step, one batched draft forward per step.
-    props, sources, feds = _propose_all(models, live, rows, in_round)
+    props, sources, feds, trees = _propose_all(models, live, rows, in_round)
     if any(s.error is not None for s in live):  # a request's proposer failed: it leaves
         keep = [i for i, s in enumerate(live) if s.error is None]
         live = [live[i] for i in keep]
-        props, sources, feds = ([x[i] for i in keep] for x in (props, sources, feds))
+        props, sources, feds, trees = ([x[i] for i in keep]
+                                       for x in (props, sources, feds, trees))
         if not live:
             return
     # 2. Verify forward, queued; the host fills the mask rows meanwhile.
     t0 = time.perf_counter()
     segments = [([s.seq[-1], *p], s.t_cache) for s, p in zip(live, props)]
     widths = [len(p) for p in props]  # what each target cache is advanced by, cuts or not
-    logits = ragged.forward(models.target, segments)  # each (m_i+1, V)
+    # A tree's rows: the last token, then each proposal under its parent's row.
+    row_trees = [None if t is None else [-1, *(q + 1 for q in t)] for t in trees]
+    logits = ragged.forward(models.target, segments, trees=row_trees)  # each (m_i+1, V)
     mx.async_eval([x for x in logits if x is not None])
     masks: list[np.ndarray | None] = []
+    oks: list[list[bool] | None] = [None] * len(live)
     for i, s in enumerate(live):
         masks.append(None)
         if s.matcher is None:
             continue
         try:
+            if trees[i] is not None:
+                bitmask, oks[i], cuts = tree_masks(s.matcher, props[i], trees[i], s.eos,
+                                                   models.vocab_size, s.emitted,
+                                                   rows.get(id(s)), s.stats, in_round)
+                s.stats.grammar_cuts += cuts > 0
+                masks[i] = bitmask
+                continue
             bitmask, n_ok = verify_masks(s.matcher, props[i], s.eos, models.vocab_size,
                                          s.emitted, rows.get(id(s)), s.stats, in_round)
         except (GrammarStateError, GrammarRefused) as e:
@@ -468,10 +481,12 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         if masks[i] is not None:
             x = apply_mask(x, unpack_bitmask(mx.array(masks[i]), models.vocab_size))
         noise = None
-        if not s.params.greedy:
-            noise = mx.array(np.stack([position_noise(s.params.seed or 0, s.emitted + j,
+        if not s.params.greedy:  # each row's noise is its output position's
+            depths = (range(len(props[i]) + 1) if row_trees[i] is None
+                      else ragged._depths(row_trees[i]).tolist())
+            noise = mx.array(np.stack([position_noise(s.params.seed or 0, s.emitted + d,
                                                       models.vocab_size)
-                                       for j in range(len(props[i]) + 1)]))
+                                       for d in depths]))
         picks.append(pick(x, s.params, noise))
         if s.logprobs is not None:
             lps[i] = _logprobs(x, picks[-1], s.params, s.logprobs)
@@ -487,7 +502,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         if s.error is None:
             try:
                 _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i],
-                        lps.get(i))
+                        lps.get(i), trees[i], oks[i])
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -526,20 +541,28 @@ def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
 
 def _propose_all(models: Models, live: Sequence[DecodeState],
                  rows: dict[int, np.ndarray] | None = None, budget_s: float | None = None
-                 ) -> tuple[list[list[TokenId]], list[list[str]], list[int]]:
+                 ) -> tuple[list[list[TokenId]], list[list[str]], list[int],
+                            list[list[int] | None]]:
     """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
     forwards they ask for at the same step run as one ragged forward, and their picks are
-    evaluated with one sync per step. Returns (proposals, sources, fed) per request; a
-    request whose proposer raised proposes nothing and gets its `error`. `rows`: each
-    request's mask at its current state (by `id` of its state), where filled already."""
+    evaluated with one sync per step. Returns (proposals, sources, fed, tree parents or
+    None) per request; a request whose proposer raised proposes nothing and gets its
+    `error`. `rows`: each request's mask at its current state (by `id` of its state), where
+    filled already.
+
+    Token trees (`SpecConfig.tree`) need the target's batched layout; a round's requests
+    share them out: n proposing requests get tree // n branch tokens each, so verify rows
+    stay few as the batch grows, and none when the draft model is left out."""
     rows = rows or {}
     t0 = time.perf_counter()
-    out: list[tuple[list[TokenId], list[str], int]] = [([], [], 0)] * len(live)
+    out: list[tuple[list[TokenId], list[str], int, list[int] | None]] = \
+        [([], [], 0, None)] * len(live)
     gens: dict[int, Generator] = {}
     asks: dict[int, tuple[str, object]] = {}
     proposing = [s for s in live if s.spec is not None and s.max_tokens - s.emitted > 1]
     with_draft = models.draft_max_batch is None or \
         sum(bool(s.d_cache) for s in proposing) <= models.draft_max_batch
+    trees_ok = with_draft and ragged.supports(models.target)
     for i, s in enumerate(live):
         if s.spec is None or s.max_tokens - s.emitted <= 1:
             continue
@@ -559,7 +582,9 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
                               space=getattr(models.draft, "space", None),
                               row0=rows.get(id(s)), budget_s=budget_s,
                               earlier=(s.suffixes.indexes(s.suffix_key)
-                                       if s.suffixes is not None else ()))
+                                       if s.suffixes is not None else ()),
+                              tree=(s.spec.tree // len(proposing)
+                                    if trees_ok and draft is not None else 0))
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:
@@ -585,26 +610,38 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
         if evals:
             mx.eval(evals)
     spent = (time.perf_counter() - t0) / max(1, sum(s.spec is not None for s in live))
-    for s, (p, _, _) in zip(live, out):
+    for s, (p, *_) in zip(live, out):
         if s.spec is not None:
             s.stats.draft_s += spent
             s.stats.proposed += len(p)
-    return [list(p) for p, _, _ in out], [list(x) for _, x, _ in out], [f for _, _, f in out]
+    return ([list(o[0]) for o in out], [list(o[1]) for o in out], [o[2] for o in out],
+            [o[3] for o in out])
 
 
 def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
-            picks: list[int], width: int, lps: tuple[mx.array, ...] | None = None) -> None:
-    """Emit the agreeing prefix and the bonus pick; trim the caches (the target's was
-    advanced by `width` proposals, including any the backstop cut)."""
-    out: list[TokenId] = []
-    for j, p in enumerate(picks):
-        out.append(int(p))
-        if j < len(props) and p == props[j]:
-            s.stats.accepted += 1
-            continue
-        break
-    accepted = len(out) - 1  # the last one is the target's own (bonus) pick
-    for src in sources[:accepted]:
+            picks: list[int], width: int, lps: tuple[mx.array, ...] | None = None,
+            parents: list[int] | None = None, ok: list[bool] | None = None) -> None:
+    """Emit the agreeing prefix (of a tree: the accepted branch, `tree_path`) and the bonus
+    pick; trim the caches (the target's was advanced by `width` proposals, including any the
+    backstop cut; a tree's accepted branch is first moved together, `ragged.keep_rows`)."""
+    if parents is None:
+        path = []
+        for j, p in enumerate(picks[:len(props)]):
+            if p != props[j]:
+                break
+            path.append(j)
+    else:
+        path = tree_path(props, parents, ok if ok is not None else [True] * len(props), picks)
+    rows = [0, *(j + 1 for j in path)]  # the verify row each emitted token is picked at
+    out = [props[j] for j in path] + [int(picks[rows[-1]])]
+    accepted = len(path)  # the last one is the target's own (bonus) pick
+    s.stats.accepted += accepted
+    n_chain = len(props) if parents is None else next(
+        (i for i, q in enumerate(parents) if q != i - 1), len(props))
+    on_chain = next((k for k, j in enumerate(path) if j != k or j >= n_chain), accepted)
+    s.stats.branched_accepted += sum(j >= n_chain for j in path)
+    for j in path:
+        src = sources[j]
         setattr(s.stats, src + "_accepted", getattr(s.stats, src + "_accepted") + 1)
     n_emit = 0
     for t in out:
@@ -621,7 +658,7 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
         s.seq.append(t)
         s.new_tokens.append(t)
         if lps is not None:
-            j = n_emit
+            j = rows[n_emit]
             top = () if len(lps) == 1 else tuple(
                 (int(a), float(b)) for a, b in zip(lps[1][j].tolist(), lps[2][j].tolist())
                 if b != -np.inf)
@@ -635,10 +672,12 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
             s.finish = "length"
             return
     # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
+    if parents is not None:  # (nothing moves when the branch is where a sequence would be)
+        ragged.keep_rows(s.t_cache, s.t_cache[0].offset - width, path)
     _trim(s.t_cache, width - accepted)
-    # Draft cache holds a prefix of old seq + props[:fed]; keep what still agrees.
+    # Draft cache holds a prefix of old seq + props[:fed] (the chain's); keep what agrees.
     if s.d_cache:
         base = len(s.seq) - n_emit
         d_len = s.d_cache[0].offset
-        keep = min(d_len, base + min(fed, accepted))
+        keep = min(d_len, base + min(fed, on_chain, n_chain))
         _trim(s.d_cache, d_len - keep)

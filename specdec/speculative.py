@@ -40,11 +40,15 @@ import time
 
 from .decode import StepTimings, TokenId, grammar_failure
 from .lookup import LookupCursor, NgramIndex, SuffixCursor
-from .sampling import SamplingParams, apply_mask, pick, position_noise, unpack_bitmask
+from .sampling import (SamplingParams, apply_mask, pick_scores, position_noise,
+                       unpack_bitmask)
 
 from .errors import RequestError
 
 MAX_DRAFT_TOKENS = 16
+MAX_TREE_NODES = 32
+TREE_WIDTH = 3  # candidates a token tree reads at each drafted position
+TREE_MIN_SCORE = 0.05  # a branch's estimated chance of being reached and accepted, at least
 
 
 class DraftConfigError(RequestError):
@@ -71,6 +75,12 @@ class SpecConfig:
         draft_min_prob: stop drafting this round when the draft model gives its own pick
             less than this probability (a likely rejection costs verify width and draft
             steps); 0 drafts all k.
+        tree: most branch tokens a round adds to its chain of proposals (0: a chain): at
+            each position the draft model was asked for, its likeliest other legal tokens
+            (and, where the gate ended the chain, its pick among them) become branches, each
+            followed by the tokens the grammar then forces; the target verifies the whole
+            tree in one forward (`ragged.forward`'s trees). A batched round shares it out
+            (`core`), so a full batch verifies chains.
     """
 
     k: int = 4
@@ -80,6 +90,7 @@ class SpecConfig:
     lookup_min_ngram: int = 2
     suffix: bool = False
     draft_min_prob: float = 0.0
+    tree: int = 0
 
     @property
     def cheap_k(self) -> int:
@@ -91,6 +102,9 @@ class SpecConfig:
             raise DraftConfigError(f"k={self.k!r}: must be an integer in [1, {MAX_DRAFT_TOKENS}]")
         if not 0.0 <= self.draft_min_prob < 1.0:
             raise DraftConfigError(f"draft_min_prob={self.draft_min_prob!r}: must be in [0, 1)")
+        if not isinstance(self.tree, int) or not 0 <= self.tree <= MAX_TREE_NODES:
+            raise DraftConfigError(f"tree={self.tree!r}: must be an integer in "
+                                   f"[0, {MAX_TREE_NODES}]")
         if self.lookup_min_ngram < 1:
             raise DraftConfigError(f"lookup_min_ngram={self.lookup_min_ngram!r}: must be >= 1")
 
@@ -106,6 +120,8 @@ class SpecStats(StepTimings):
         forced, looked_up, suffixed, drafted: proposals by source (grammar-forced, prompt
             lookup, earlier answers, draft model); `*_accepted`: how many of each the
             target accepted.
+        branched, branched_accepted: proposals on a token tree's branches (off the chain;
+            also counted by source), and how many of those were accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
         draft_load_skips: rounds in which the draft model was left out because the batch
             was larger than `Models.draft_max_batch`.
@@ -125,6 +141,8 @@ class SpecStats(StepTimings):
     suffixed_accepted: int = 0
     drafted: int = 0
     drafted_accepted: int = 0
+    branched: int = 0
+    branched_accepted: int = 0
     grammar_cuts: int = 0
     draft_load_skips: int = 0
     draft_s: float = 0.0
@@ -176,17 +194,27 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
            index: NgramIndex | None = None, run_on: bool = True,
            space: np.ndarray | None = None, row0: np.ndarray | None = None,
-           budget_s: float | None = None, earlier: Sequence[NgramIndex] = ()
-           ) -> Generator[tuple[str, Any], Any, tuple[list[TokenId], list[str], int]]:
+           budget_s: float | None = None, earlier: Sequence[NgramIndex] = (), tree: int = 0
+           ) -> Generator[tuple[str, Any], Any,
+                          tuple[list[TokenId], list[str], int, list[int] | None]]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), earlier
     answers (`earlier`: a `SuffixStore`'s indexes, the same), the draft model.
 
     Returns (proposals, their sources: "forced" | "looked_up" | "suffixed" | "drafted", how
-    many proposals
-    the draft cache holds). The draft cache holds a prefix of `seq`; the tokens after it are
-    fed with the next draft forward. With masking off an illegal proposal puts the clone in
-    error, so drafting stops.
+    many proposals the draft cache holds, their parents or None). The draft cache holds a
+    prefix of `seq`; the tokens after it are fed with the next draft forward. With masking
+    off an illegal proposal puts the clone in error, so drafting stops.
+
+    `tree`: up to this many more proposals, on branches off the chain (`SpecConfig.tree`):
+    at each drafted position the draft's other likeliest tokens (its top `TREE_WIDTH` by the
+    pick's own order, so under sampling by its noisy scores), and where the gate ended the
+    chain its pick too, scored by the draft's estimate of reaching and accepting them (the
+    product of the chain's pick probabilities before them, times theirs); the best over
+    `TREE_MIN_SCORE` become branches, each followed by the tokens the grammar forces after
+    it. Then the parents are returned: proposals[i] follows proposals[parents[i]] (-1: the
+    context); the chain comes first, proposals[i] under proposals[i - 1]. Branch tokens are
+    never fed to the draft model.
 
     `space`: the draft's logits (the replies to "forward") are over its own pruned
     vocabulary, column i being target id space[i], ascending (`MappedDraft.own_logits`); the
@@ -201,7 +229,7 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     props: list[TokenId] = []
     sources: list[str] = []
     if kk <= 0:
-        return props, sources, 0
+        return props, sources, 0, None
     # The draft model proposes up to k per round; forced and looked-up tokens (no draft step,
     # and usually accepted) may run on to 2k, capped by the token budget.
     # run_on=False (a batched round: past ~16 rows every verify row costs compute that the
@@ -219,6 +247,10 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     suffix = SuffixCursor(earlier, spec.lookup_min_ngram) if earlier else None
     max_n = max([i.max_n for i in earlier] + ([index.max_n] if index is not None else [1]))
     tail = seq[-max_n:]
+    # Branch candidates per drafted position: (position, its matcher state, [(token, p)],
+    # the chance of reaching it); `reach` multiplies the chain's pick probabilities.
+    branches: list[tuple[int, LLMatcher | None, list[tuple[int, float]], float]] = []
+    reach = 1.0
     for j in range(kk):
         forced = cand = None
         if clone is not None:
@@ -261,20 +293,37 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
             if not params.greedy:
                 noise = position_noise(seed, emitted + j, draft_vocab)
                 noise = mx.array(noise if space is None else noise[space])
-            choice = pick(logits, params, noise)
+            scores = pick_scores(logits, params, noise)
+            choice = mx.argmax(scores, axis=-1)  # = `pick(logits, params, noise)`
             # In one sync: the pick's logit (-inf: every legal token is outside what the
             # draft can propose, e.g. a pruned draft vocabulary; the target decides) and,
-            # when gated, the pick's own probability.
+            # when gated or branching, the pick's own probability (and the candidates').
             scale = 1.0 if params.greedy else params.temperature
-            p_pick = (mx.softmax(logits / scale, axis=-1)[choice] if spec.draft_min_prob > 0
-                      else mx.array(1.0))
+            probs = (mx.softmax(logits / scale, axis=-1)
+                     if spec.draft_min_prob > 0 or tree > 0 else None)
+            p_pick = probs[choice] if probs is not None else mx.array(1.0)
             picked = logits[choice]
-            yield ("eval", (choice, picked, p_pick))
+            alts: tuple[mx.array, ...] = ()
+            if tree > 0:
+                w = min(TREE_WIDTH, scores.shape[-1])
+                ids = mx.argpartition(-scores, w - 1)[:w] if w < scores.shape[-1] \
+                    else mx.arange(w)
+                alts = (ids, probs[ids])
+            yield ("eval", (choice, picked, p_pick, *alts))
             if picked.item() == -np.inf:
                 break
-            if p_pick.item() < spec.draft_min_prob:
-                break  # unlikely to be accepted: verify what we have
             tok = int(choice.item())
+            gated = p_pick.item() < spec.draft_min_prob
+            if alts:
+                opts = [(int(t if space is None else space[t]), float(q))
+                        for t, q in zip(alts[0].tolist(), alts[1].tolist())
+                        if q > 0 and (gated or t != tok)]
+                if opts:
+                    branches.append((j, clone.deep_copy() if clone is not None else None,
+                                     opts, reach))
+            if gated:
+                break  # unlikely to be accepted: verify what we have
+            reach *= p_pick.item()
             tok, src = (tok if space is None else int(space[tok])), "drafted"
         props.append(tok)
         sources.append(src)
@@ -291,7 +340,54 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
             clone.consume_token(tok)
             if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it
                 break
-    return props, sources, fed
+    if not branches:
+        return props, sources, fed, None
+    parents = list(range(-1, len(props) - 1))
+    _grow_tree(props, sources, parents, branches, tree, kk, eos, stats, budget_s,
+               spec.forced_drafting, vocab_size)
+    return props, sources, fed, parents
+
+
+def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
+               branches: list[tuple[int, LLMatcher | None, list[tuple[int, float]], float]],
+               budget: int, kk: int, eos: set[int], stats: SpecStats,
+               budget_s: float | None, forced_drafting: bool, vocab_size: int) -> None:
+    """Add the best branches (`draft_steps`' `tree`) to a chain, in place: each candidate at
+    chain position j hangs under proposal j - 1, followed by the tokens its grammar state
+    then forces (up to the round's depth `kk`)."""
+    cands = sorted(((reach * q, j, t, st) for j, st, opts, reach in branches
+                    for t, q in opts), key=lambda c: -c[0])
+    row = llnp.allocate_token_bitmask(1, vocab_size)
+    for score, j, tok, st in cands:
+        if budget <= 0 or score < TREE_MIN_SCORE:
+            break
+        props.append(tok)
+        sources.append("drafted")
+        parents.append(j - 1)
+        stats.drafted += 1
+        stats.branched += 1
+        budget -= 1
+        if st is None or tok in eos or not forced_drafting:
+            continue
+        look, depth, at = st.deep_copy(), j + 1, len(props) - 1
+        if not look.consume_token(tok):
+            continue
+        while budget > 0 and depth < kk and not over_round_budget(stats, budget_s):
+            fill_row(look, row, 0, stats)
+            if look.is_error():
+                break
+            f = single_allowed(row[0])
+            if f is None:
+                break
+            props.append(f)
+            sources.append("forced")
+            parents.append(at)
+            stats.forced += 1
+            stats.branched += 1
+            budget -= 1
+            at, depth = len(props) - 1, depth + 1
+            if f in eos or not look.consume_token(f):
+                break
 
 
 def space_mask(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -354,3 +450,77 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
                                   detail=look.get_error(),
                                   position=None if position is None else position + j)
     return bitmask, len(props)
+
+
+def tree_masks(matcher: LLMatcher, props: Sequence[TokenId], parents: Sequence[int],
+               eos: set[int], vocab_size: int, position: int | None = None,
+               row0: np.ndarray | None = None, stats: StepTimings | None = None,
+               budget_s: float | None = None) -> tuple[np.ndarray, list[bool], int]:
+    """`verify_masks` for a token tree (`draft_steps`' parents): row 0 is the mask at the
+    matcher's state, row i + 1 the mask after the branch ending at proposal i (on a
+    `deep_copy` advanced along that branch).
+
+    Returns:
+        (bitmask (len(props)+1, words) int32, which proposals may be accepted, how many the
+        backstop cut): a proposal its parent's row forbids is cut with everything under it;
+        one under an EOS, or whose row was not filled (the round's budget, `budget_s`), may
+        not be accepted either. Rows not filled stay all-banned (fail closed).
+    Raises:
+        GrammarStateError, GrammarTooComplex: as `verify_masks`.
+    """
+    n = len(props)
+    bitmask = np.zeros((n + 1, (vocab_size + 31) // 32), dtype=np.int32)
+    root = matcher.deep_copy()
+    if row0 is not None:
+        bitmask[0] = row0
+    else:
+        fill_row(root, bitmask, 0, stats)
+    if root.is_error():
+        raise grammar_failure("grammar error while verifying", detail=root.get_error(),
+                              position=position)
+    states: dict[int, LLMatcher] = {-1: root}
+    ok = [False] * n
+    cuts = 0
+    depth = {-1: 0}
+    for i, (t, par) in enumerate(zip(props, parents)):
+        if par >= 0 and (not ok[par] or props[par] in eos):
+            continue
+        depth[i] = depth[par] + 1
+        at = None if position is None else position + depth[i]
+        if not mask_allows(bitmask[par + 1], t):
+            cuts += 1
+            continue
+        if t in eos:
+            ok[i] = True  # nothing follows EOS: its row stays banned
+            continue
+        if stats is not None and over_round_budget(stats, budget_s):
+            break
+        look = states[par].deep_copy()
+        if not look.consume_token(t):
+            raise grammar_failure(f"the grammar rejected token {t} its own mask allowed",
+                                  detail=look.get_error(), position=at)
+        fill_row(look, bitmask, i + 1, stats)
+        if look.is_error():
+            raise grammar_failure("grammar error while verifying", detail=look.get_error(),
+                                  position=at)
+        states[i] = look
+        ok[i] = True
+    return bitmask, ok, cuts
+
+
+def tree_path(props: Sequence[TokenId], parents: Sequence[int], ok: Sequence[bool],
+              picks: Sequence[int]) -> list[int]:
+    """The accepted branch of a verified tree: from the context, the child whose token is the
+    target's pick at its parent's row (row 0 for the context, i + 1 after proposal i), as
+    long as there is one. Returns the proposals' indices along it."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (t, par) in enumerate(zip(props, parents)):
+        if ok[i]:
+            children.setdefault(par, {}).setdefault(t, i)
+    path, at = [], -1
+    while True:
+        nxt = children.get(at, {}).get(int(picks[at + 1]))
+        if nxt is None:
+            return path
+        path.append(nxt)
+        at = nxt

@@ -27,7 +27,7 @@ SOURCES: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [accepted
 def record_sources(name: str, stats) -> None:
     """Count proposals by source (lookup, earlier answers, draft model) so the summary shows
     they ran."""
-    for src in ("looked_up", "suffixed", "drafted"):
+    for src in ("looked_up", "suffixed", "drafted", "branched"):
         if getattr(stats, src):
             SOURCES[f"{name}, {src}"][0] += getattr(stats, src + "_accepted")
             SOURCES[f"{name}, {src}"][1] += getattr(stats, src)

@@ -39,6 +39,13 @@ def bad_draft():
     return tiny_llama(99)  # same vocabulary, unrelated weights: disagrees almost always
 
 
+@pytest.fixture(scope="module")
+def soft_drafts():
+    """Drafts unsure enough to branch (token trees): the target's ranking with less sure
+    probabilities (its picks agree, its gate ends chains often), and an unrelated one."""
+    return {"soft": tiny_llama(1234, head_scale=2), "badsoft": tiny_llama(99, head_scale=2)}
+
+
 def plain(model, prompt, matcher=None, params=GREEDY, max_tokens=30):
     return drain(decode_steps(model, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
                               max_tokens=max_tokens, matcher=matcher, params=params))
@@ -230,19 +237,22 @@ LOOKUP_CELLS = [(k, dm, fd) for k, dm, fd in CELLS if k in (2, 8)]
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 @pytest.mark.parametrize("draft_name", ["self", "bad", "none", "none+lookup", "bad+lookup",
-                                        "bad+suffix"])
+                                        "bad+suffix", "soft+tree", "badsoft+tree"])
 @pytest.mark.parametrize("case", MATRIX_CASES, ids=[c.name for c in MATRIX_CASES])
-def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_name, mode):
+def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt, case,
+                               draft_name, mode):
     """Every {k} x {draft masking} x {forced drafting} cell equals plain decoding and the
     oracle token for token; cuts are 0 whenever draft masking is on. "+lookup": the serving
     defaults on top (forced, then lookup, then the draft model, drafting ends below p=0.3).
     "+suffix": those and proposals from earlier answers (`lookup.SuffixStore`) holding the
     other mode's answer and this answer with every seventh token changed, so runs of them
-    are accepted and then rejected mid-round."""
+    are accepted and then rejected mid-round. "+tree": the serving defaults with token trees
+    (`SpecConfig.tree`) over drafts unsure enough to branch, whose branches are accepted
+    and rejected."""
     params = GREEDY if mode == "greedy" else SEEDED
     g = compiler.compile(Constraint(case.kind, case.value))  # type: ignore[arg-type]
     model_name, _, lookup = draft_name.partition("+")
-    draft = {"self": target, "bad": bad_draft, "none": None}[model_name]
+    draft = {"self": target, "bad": bad_draft, "none": None, **soft_drafts}[model_name]
     want = plain(target, prompt, g.matcher(), params, max_tokens=40)
     oracle = reference_decode(target, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
                               max_tokens=40, matcher=g.matcher(),
@@ -250,7 +260,7 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
                               top_p=params.top_p, seed=params.seed or 0)
     tally.record("tiny: plain vs oracle", report(oracle, want[0]) is None)
     assert report(oracle, want[0]) is None and want[1] == oracle.finish_reason
-    failures, cuts_on, suffixed, drafted = [], 0, 0, 0
+    failures, cuts_on, suffixed, drafted, branched = [], 0, 0, 0, 0
     store = None
     if lookup == "suffix":
         store = SuffixStore()
@@ -262,9 +272,11 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
         got, st = spec_run(target, draft, prompt, g.matcher(), params, max_tokens=40,
                            spec=SpecConfig(k, dm, fd, lookup=bool(lookup),
                                            suffix=lookup == "suffix",
-                                           draft_min_prob=0.3 if lookup else 0.0),
+                                           draft_min_prob=0.3 if lookup else 0.0,
+                                           tree=8 if lookup == "tree" else 0),
                            suffixes=store, suffix_key=g.text)
         suffixed += st.suffixed
+        branched += st.branched
         drafted += st.drafted
         same = got == want
         tally.record(f"tiny: spec vs plain ({draft_name} draft)", same)
@@ -278,6 +290,7 @@ def test_exactness_matrix_tiny(target, bad_draft, compiler, prompt, case, draft_
     assert cuts_on == 0
     # earlier answers proposed wherever the grammar left a choice the draft model proposed at
     assert store is None or suffixed > 0 or drafted == 0
+    assert lookup != "tree" or branched > 0  # the trees did branch
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(0.8, top_k=20, seed=3),
