@@ -26,6 +26,8 @@ REQUIRED = (
     "batched_spec_over_batched_plain_c8", "ours_constrained_c8_over_mlxlm_unconstrained_c8",
     "load_requests", "load_5xx", "load_lost", "load_rss_growth_mb",
     "sharded2_over_single_tok_s", "sharded2_broadcast_ms_per_round", "draft_left_out_over_kept_c8",
+    "tree_over_chain_c1", "tree_over_chain_c8", "accepted_per_round_chain",
+    "accepted_per_round_tree",
 )
 
 

@@ -17,6 +17,7 @@ class Metrics:
             "draft_proposed_total": 0, "draft_accepted_total": 0, "draft_forced_total": 0,
             "draft_looked_up_total": 0, "draft_suffixed_total": 0,
             "draft_suffixed_accepted_total": 0, "draft_model_total": 0, "draft_model_accepted_total": 0,
+            "draft_branched_total": 0, "draft_branched_accepted_total": 0,
             "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
             "requests_rejected_total": 0,
         }
@@ -35,6 +36,8 @@ class Metrics:
                  draft_suffixed_accepted_total=stats.suffixed_accepted,
                  draft_model_total=stats.drafted,
                  draft_model_accepted_total=stats.drafted_accepted,
+                 draft_branched_total=stats.branched,
+                 draft_branched_accepted_total=stats.branched_accepted,
                  grammar_cuts_total=stats.grammar_cuts,
                  mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
 

@@ -132,6 +132,9 @@ def _add_blas_arg(p: argparse.ArgumentParser) -> None:
                         "bitwise independent of the batch), 'auto' (OpenBLAS when installed)")
 
 
+TREE_DEFAULT = 4  # `--tree`: see README, Performance (tree_over_chain_c1)
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="auto",
                    help="speculative draft: 'auto' (the shipped distilled draft when the target "
@@ -150,6 +153,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-suffix", action="store_true",
                    help="do not propose tokens from earlier answers (answers to the same "
                         "grammar first, then any; kept in memory, bounded)")
+    p.add_argument("--tree", type=int, default=TREE_DEFAULT,
+                   help="most branch tokens a round adds to its chain of proposals (token "
+                        "trees, verified in one forward; shared out across a batch, none "
+                        "where the draft model is left out); 0: chains only")
     p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="tokens proposed per speculative round (1..16)")
     p.add_argument("--no-draft-masking", action="store_true",
@@ -194,7 +201,7 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
         draft = load(name)
     spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting,
                       lookup=not args.no_lookup, suffix=not args.no_suffix,
-                      draft_min_prob=args.draft_min_prob)
+                      draft_min_prob=args.draft_min_prob, tree=args.tree)
     limit = args.draft_max_batch
     if limit not in ("auto", "none"):
         try:

@@ -51,8 +51,8 @@ from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_n
                        unpack_bitmask)
 from .errors import InternalError, SpecdecError
 from .events import TokenLogprob
-from .speculative import (SpecConfig, SpecStats, _trim, draft_steps, tree_masks, tree_path,
-                          verify_masks)
+from .speculative import (Proposals, SpecConfig, SpecStats, _trim, draft_steps, tree_masks,
+                          tree_path, verify_masks)
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
@@ -428,14 +428,15 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.round_mask_s = 0.0
     in_round = models.masks.slow_s if models.masks.in_round else None
     # 1. Propose: every request's proposers in lock-step, one batched draft forward per step.
-    props, sources, feds, trees = _propose_all(models, live, rows, in_round)
+    proposed = _propose_all(models, live, rows, in_round)
     if any(s.error is not None for s in live):  # a request's proposer failed: it leaves
         keep = [i for i, s in enumerate(live) if s.error is None]
-        live = [live[i] for i in keep]
-        props, sources, feds, trees = ([x[i] for i in keep]
-                                       for x in (props, sources, feds, trees))
+        live, proposed = [live[i] for i in keep], [proposed[i] for i in keep]
         if not live:
             return
+    props = [list(p.tokens) for p in proposed]
+    sources = [list(p.sources) for p in proposed]
+    trees = [p.parents for p in proposed]
     # 2. Verify forward, queued; the host fills the mask rows meanwhile.
     t0 = time.perf_counter()
     segments = [([s.seq[-1], *p], s.t_cache) for s, p in zip(live, props)]
@@ -501,8 +502,8 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.steps += 1
         if s.error is None:
             try:
-                _accept(s, props[i], sources[i], feds[i], picks[i].tolist(), widths[i],
-                        lps.get(i), trees[i], oks[i])
+                _accept(s, props[i], sources[i], proposed[i].fed, picks[i].tolist(),
+                        widths[i], lps.get(i), trees[i], oks[i], proposed[i].chain)
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -541,13 +542,11 @@ def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
 
 def _propose_all(models: Models, live: Sequence[DecodeState],
                  rows: dict[int, np.ndarray] | None = None, budget_s: float | None = None
-                 ) -> tuple[list[list[TokenId]], list[list[str]], list[int],
-                            list[list[int] | None]]:
+                 ) -> list[Proposals]:
     """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
     forwards they ask for at the same step run as one ragged forward, and their picks are
-    evaluated with one sync per step. Returns (proposals, sources, fed, tree parents or
-    None) per request; a request whose proposer raised proposes nothing and gets its
-    `error`. `rows`: each request's mask at its current state (by `id` of its state), where
+    evaluated with one sync per step. Returns each request's `Proposals`; a request whose
+    proposer raised proposes nothing and gets its `error`. `rows`: each request's mask at its current state (by `id` of its state), where
     filled already.
 
     Token trees (`SpecConfig.tree`) need the target's batched layout; a round's requests
@@ -555,8 +554,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
     stay few as the batch grows, and none when the draft model is left out."""
     rows = rows or {}
     t0 = time.perf_counter()
-    out: list[tuple[list[TokenId], list[str], int, list[int] | None]] = \
-        [([], [], 0, None)] * len(live)
+    out: list[Proposals] = [Proposals([], [])] * len(live)
     gens: dict[int, Generator] = {}
     asks: dict[int, tuple[str, object]] = {}
     proposing = [s for s in live if s.spec is not None and s.max_tokens - s.emitted > 1]
@@ -610,17 +608,17 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
         if evals:
             mx.eval(evals)
     spent = (time.perf_counter() - t0) / max(1, sum(s.spec is not None for s in live))
-    for s, (p, *_) in zip(live, out):
+    for s, p in zip(live, out):
         if s.spec is not None:
             s.stats.draft_s += spent
-            s.stats.proposed += len(p)
-    return ([list(o[0]) for o in out], [list(o[1]) for o in out], [o[2] for o in out],
-            [o[3] for o in out])
+            s.stats.proposed += len(p.tokens)
+    return out
 
 
 def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
             picks: list[int], width: int, lps: tuple[mx.array, ...] | None = None,
-            parents: list[int] | None = None, ok: list[bool] | None = None) -> None:
+            parents: list[int] | None = None, ok: list[bool] | None = None,
+            chain: int = 0) -> None:
     """Emit the agreeing prefix (of a tree: the accepted branch, `tree_path`) and the bonus
     pick; trim the caches (the target's was advanced by `width` proposals, including any the
     backstop cut; a tree's accepted branch is first moved together, `ragged.keep_rows`)."""
@@ -636,8 +634,7 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
     out = [props[j] for j in path] + [int(picks[rows[-1]])]
     accepted = len(path)  # the last one is the target's own (bonus) pick
     s.stats.accepted += accepted
-    n_chain = len(props) if parents is None else next(
-        (i for i, q in enumerate(parents) if q != i - 1), len(props))
+    n_chain = len(props) if parents is None else chain
     on_chain = next((k for k, j in enumerate(path) if j != k or j >= n_chain), accepted)
     s.stats.branched_accepted += sum(j >= n_chain for j in path)
     for j in path:

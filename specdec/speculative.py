@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import llguidance.numpy as llnp
 import mlx.core as mx
@@ -48,7 +48,6 @@ from .errors import RequestError
 MAX_DRAFT_TOKENS = 16
 MAX_TREE_NODES = 32
 TREE_WIDTH = 3  # candidates a token tree reads at each drafted position
-TREE_MIN_SCORE = 0.05  # a branch's estimated chance of being reached and accepted, at least
 
 
 class DraftConfigError(RequestError):
@@ -81,6 +80,9 @@ class SpecConfig:
             followed by the tokens the grammar then forces; the target verifies the whole
             tree in one forward (`ragged.forward`'s trees). A batched round shares it out
             (`core`), so a full batch verifies chains.
+        tree_min_score: a branch's least estimated chance of being reached and accepted
+            (the draft's probabilities; a verify row costs ~4% of a forward on a 2-core
+            CPU, see bench/test_tree.py).
     """
 
     k: int = 4
@@ -91,6 +93,7 @@ class SpecConfig:
     suffix: bool = False
     draft_min_prob: float = 0.0
     tree: int = 0
+    tree_min_score: float = 0.15
 
     @property
     def cheap_k(self) -> int:
@@ -105,6 +108,8 @@ class SpecConfig:
         if not isinstance(self.tree, int) or not 0 <= self.tree <= MAX_TREE_NODES:
             raise DraftConfigError(f"tree={self.tree!r}: must be an integer in "
                                    f"[0, {MAX_TREE_NODES}]")
+        if not 0.0 <= self.tree_min_score <= 1.0:
+            raise DraftConfigError(f"tree_min_score={self.tree_min_score!r}: must be in [0, 1]")
         if self.lookup_min_ngram < 1:
             raise DraftConfigError(f"lookup_min_ngram={self.lookup_min_ngram!r}: must be >= 1")
 
@@ -154,6 +159,19 @@ class SpecStats(StepTimings):
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+class Proposals(NamedTuple):
+    """A round's proposals (`draft_steps`): tokens, their sources ("forced" | "looked_up" |
+    "suffixed" | "drafted"), how many of them the draft cache holds, and, for a token tree,
+    each one's parent (-1: the context; None: a chain) with the chain's length (the tokens
+    before the first branch; the draft model fed those only)."""
+
+    tokens: list[TokenId]
+    sources: list[str]
+    fed: int = 0
+    parents: list[int] | None = None
+    chain: int = 0
+
+
 def fill_row(matcher: Any, bitmask: np.ndarray, j: int, stats: StepTimings | None) -> None:
     """Fill mask row j for the matcher's state, counting its time in `stats` (every fill
     counts against the request's grammar budget: `core.MaskBudget`)."""
@@ -195,26 +213,23 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
            index: NgramIndex | None = None, run_on: bool = True,
            space: np.ndarray | None = None, row0: np.ndarray | None = None,
            budget_s: float | None = None, earlier: Sequence[NgramIndex] = (), tree: int = 0
-           ) -> Generator[tuple[str, Any], Any,
-                          tuple[list[TokenId], list[str], int, list[int] | None]]:
+           ) -> Generator[tuple[str, Any], Any, Proposals]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), earlier
     answers (`earlier`: a `SuffixStore`'s indexes, the same), the draft model.
 
-    Returns (proposals, their sources: "forced" | "looked_up" | "suffixed" | "drafted", how
-    many proposals the draft cache holds, their parents or None). The draft cache holds a
-    prefix of `seq`; the tokens after it are fed with the next draft forward. With masking
-    off an illegal proposal puts the clone in error, so drafting stops.
+    Returns the `Proposals`. The draft cache holds a prefix of `seq`; the tokens after it
+    are fed with the next draft forward. With masking off an illegal proposal puts the clone
+    in error, so drafting stops.
 
     `tree`: up to this many more proposals, on branches off the chain (`SpecConfig.tree`):
     at each drafted position the draft's other likeliest tokens (its top `TREE_WIDTH` by the
     pick's own order, so under sampling by its noisy scores), and where the gate ended the
     chain its pick too, scored by the draft's estimate of reaching and accepting them (the
     product of the chain's pick probabilities before them, times theirs); the best over
-    `TREE_MIN_SCORE` become branches, each followed by the tokens the grammar forces after
-    it. Then the parents are returned: proposals[i] follows proposals[parents[i]] (-1: the
-    context); the chain comes first, proposals[i] under proposals[i - 1]. Branch tokens are
-    never fed to the draft model.
+    `spec.tree_min_score` become branches, each followed by the tokens the grammar forces after
+    it. The chain comes first (proposals[i] under proposals[i - 1]), the branches after it.
+    Branch tokens are never fed to the draft model.
 
     `space`: the draft's logits (the replies to "forward") are over its own pruned
     vocabulary, column i being target id space[i], ascending (`MappedDraft.own_logits`); the
@@ -229,7 +244,7 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     props: list[TokenId] = []
     sources: list[str] = []
     if kk <= 0:
-        return props, sources, 0, None
+        return Proposals(props, sources)
     # The draft model proposes up to k per round; forced and looked-up tokens (no draft step,
     # and usually accepted) may run on to 2k, capped by the token budget.
     # run_on=False (a batched round: past ~16 rows every verify row costs compute that the
@@ -341,16 +356,17 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
             if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it
                 break
     if not branches:
-        return props, sources, fed, None
-    parents = list(range(-1, len(props) - 1))
-    _grow_tree(props, sources, parents, branches, tree, kk, eos, stats, budget_s,
-               spec.forced_drafting, vocab_size)
-    return props, sources, fed, parents
+        return Proposals(props, sources, fed)
+    chain = len(props)
+    parents = list(range(-1, chain - 1))
+    _grow_tree(props, sources, parents, branches, tree, spec.tree_min_score, kk, eos, stats,
+               budget_s, spec.forced_drafting, vocab_size)
+    return Proposals(props, sources, fed, parents if len(props) > chain else None, chain)
 
 
 def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
                branches: list[tuple[int, LLMatcher | None, list[tuple[int, float]], float]],
-               budget: int, kk: int, eos: set[int], stats: SpecStats,
+               budget: int, min_score: float, kk: int, eos: set[int], stats: SpecStats,
                budget_s: float | None, forced_drafting: bool, vocab_size: int) -> None:
     """Add the best branches (`draft_steps`' `tree`) to a chain, in place: each candidate at
     chain position j hangs under proposal j - 1, followed by the tokens its grammar state
@@ -359,7 +375,7 @@ def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
                     for t, q in opts), key=lambda c: -c[0])
     row = llnp.allocate_token_bitmask(1, vocab_size)
     for score, j, tok, st in cands:
-        if budget <= 0 or score < TREE_MIN_SCORE:
+        if budget <= 0 or score < min_score:
             break
         props.append(tok)
         sources.append("drafted")

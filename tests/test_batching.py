@@ -36,6 +36,7 @@ from tests import tally
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
 from tests.tiny import rounds as decode_rounds
 
+TREE_SPEC = SpecConfig(4, lookup=True, draft_min_prob=0.3, tree=8, tree_min_score=0.02)
 SCHEMAS = [Constraint.json_schema(c.value) for c in CASES if c.kind == "json_schema"][:3]
 NEEDLE_PARAMS = {"greedy": SamplingParams(), "top-k": SamplingParams(0.9, top_k=40, seed=5),
                  "top-p": SamplingParams(1.1, top_p=0.8, seed=9)}
@@ -48,7 +49,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def models(target):
-    return Models(target, WIDTH, tiny_llama(99), WIDTH)  # an unrelated draft: many rejections
+    # An unrelated draft (many rejections), unsure enough that token trees branch.
+    return Models(target, WIDTH, tiny_llama(99, head_scale=2), WIDTH)
 
 
 def _request(rng: random.Random, compiler, prompt, kind: str | None = None) -> dict:
@@ -56,7 +58,8 @@ def _request(rng: random.Random, compiler, prompt, kind: str | None = None) -> d
     kind = kind or rng.choice(sorted(NEEDLE_PARAMS))
     spec = rng.choice([None, SpecConfig(2), SpecConfig(4, draft_masking=False),
                        SpecConfig(8, lookup=True), SpecConfig(3, forced_drafting=False),
-                       SpecConfig(4, lookup=True, suffix=True)])
+                       SpecConfig(4, lookup=True, suffix=True),
+                       TREE_SPEC])
     constraint = rng.choice([None, *SCHEMAS])
     p = NEEDLE_PARAMS[kind]
     if p.seed is not None:
@@ -93,6 +96,7 @@ def _alone(models, compiler, r):
 
 
 LOAD_SKIPS: list[int] = []  # per batched needle run: rounds its draft model was left out
+BRANCHED: list[int] = []  # per batched needle run: its token trees' branch proposals
 
 
 def _in_batch(models, compiler, needle, rng: random.Random):
@@ -121,6 +125,7 @@ def _in_batch(models, compiler, needle, rng: random.Random):
         rnd += 1
     assert s.error is None, s.error
     LOAD_SKIPS.append(s.stats.draft_load_skips)
+    BRANCHED.append(s.stats.branched)
     tally.record_sources("tiny needle in a random batch", s.stats)
     return out, s.finish
 
@@ -132,6 +137,8 @@ def test_needle_alone_equals_needle_in_random_batches_and_the_oracle(models, com
     start = len(LOAD_SKIPS)
     for trial in range(4):
         needle = _request(rng, compiler, prompt, kind)
+        if trial == 0:  # one needle verifies token trees (its neighbours may too)
+            needle["spec"] = TREE_SPEC
         want = _alone(models, compiler, needle)
         m = compiler.compile(needle["constraint"]).matcher() if needle["constraint"] else None
         p = needle["params"]
@@ -146,6 +153,7 @@ def test_needle_alone_equals_needle_in_random_batches_and_the_oracle(models, com
             tally.record("tiny: needle in a random batch vs alone", same)
             assert same, f"trial {trial} batch {b}: {got} != {want} ({needle})"
     assert any(LOAD_SKIPS[start:]), "no batched run left the draft model out (path untested)"
+    assert any(BRANCHED[start:]), "no batched run verified a token tree (path untested)"
 
 
 def _segments_alone(model, prompt, steps):

@@ -92,8 +92,8 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
 @pytest.mark.parametrize("case,mode", MATRIX, ids=[f"{c.name}-{m}" for c, m in MATRIX])
 def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     """The shipped draft: this mode's half of {k 2, 8} x {masking on, off} x {forced on,
-    off}, plus lookup on and the serving defaults (lookup, confidence-gated drafting), each
-    equal to plain decoding."""
+    off}, plus lookup on and the serving defaults (lookup, confidence-gated drafting), with
+    suffix proposals and with token trees, each equal to plain decoding."""
     e = distilled_engine
     ids = short_prompt(e, case)
     c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
@@ -102,7 +102,8 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     bad = []
     cells = [SpecConfig(k, dm, fd) for k, dm, fd in CELLS[mode]]
     cells += [SpecConfig(4, lookup=True), SpecConfig(4, lookup=True, draft_min_prob=0.3),
-              SpecConfig(4, lookup=True, suffix=True, draft_min_prob=0.3)]
+              SpecConfig(4, lookup=True, suffix=True, draft_min_prob=0.3),
+              SpecConfig(4, lookup=True, draft_min_prob=0.3, tree=8)]
     # Earlier answers for the suffix cell: the other mode's, and this one with every fifth
     # token changed (runs accepted, then a rejection mid-round).
     other = plain(e, ids, c, MODES["seeded" if p.greedy else "greedy"], MAX_TOKENS)
@@ -120,6 +121,7 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
         if not same or (spec.draft_masking and got.stats.grammar_cuts):
             bad.append((spec, got.stats.grammar_cuts))
         assert not spec.suffix or got.stats.suffixed_accepted > 0
+        assert not spec.tree or got.stats.branched > 0  # the tree did branch
     assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
 
 

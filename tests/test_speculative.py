@@ -273,7 +273,8 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
                            spec=SpecConfig(k, dm, fd, lookup=bool(lookup),
                                            suffix=lookup == "suffix",
                                            draft_min_prob=0.3 if lookup else 0.0,
-                                           tree=8 if lookup == "tree" else 0),
+                                           tree=8 if lookup == "tree" else 0,
+                                           tree_min_score=0.02),
                            suffixes=store, suffix_key=g.text)
         suffixed += st.suffixed
         branched += st.branched
