@@ -419,10 +419,8 @@ def tree_invariance(model, seed: int, trials: int) -> tuple[int, int]:
             layer.trim(n - len(keep))
         after = np.array(ragged.forward(model, [([nxt], c)])[0])
         for r in range(n):
-            alone = make_prompt_cache(model)
             path = [toks[b] for b in _branch(tree, r)]
-            x = model(mx.array([prompt + path]), cache=alone)[0, -1]
-            # the same positions one token at a time (how plain decoding computes them)
+            # the branch's positions one token at a time (how plain decoding computes them)
             seq = make_prompt_cache(model)
             model(mx.array([prompt]), cache=seq)
             for t in path[:-1]:
@@ -434,7 +432,6 @@ def tree_invariance(model, seed: int, trials: int) -> tuple[int, int]:
                 differ += int(not np.array_equal(np.array(z), after[0]))
             compared += 1
             differ += int(not np.array_equal(np.array(y), got[r]))
-            del x
     return compared, differ
 
 
@@ -449,7 +446,7 @@ def test_token_trees_verify_each_branch_as_its_sequence_bitwise(target):
 
 
 def test_token_trees_on_the_embedded_model_bitwise(embedded):
-    compared, differ = tree_invariance(embedded.model, seed=1, trials=4)
+    compared, differ = tree_invariance(embedded.model, seed=1, trials=3)
     tally.NOTES.append(f"token trees, embedded model, reference BLAS: {differ} of {compared} "
                        "rows differ from their branch decoded alone")
     assert compared > 10 and differ == 0
