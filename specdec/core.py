@@ -546,8 +546,8 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
     """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
     forwards they ask for at the same step run as one ragged forward, and their picks are
     evaluated with one sync per step. Returns each request's `Proposals`; a request whose
-    proposer raised proposes nothing and gets its `error`. `rows`: each request's mask at its current state (by `id` of its state), where
-    filled already.
+    proposer raised proposes nothing and gets its `error`. `rows`: each request's mask at
+    its current state (by `id` of its state), where filled already.
 
     Token trees (`SpecConfig.tree`) need the target's batched layout; a round's requests
     share them out: n proposing requests get tree // n branch tokens each, so verify rows
