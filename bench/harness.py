@@ -85,3 +85,21 @@ def arm(constrained: bool, spec: Any = None) -> Arm:
         return engine.generate(engine.prepare(ids, constraint=c if constrained else None,
                                               max_tokens=n, spec=spec))
     return run
+
+
+def plain_answers(engine: Any, items: list[tuple[list[int], Constraint, int]]
+                  ) -> dict[tuple[int, ...], list[int]]:
+    """Each item's tokens decoded plainly, by prompt: what every arm must give."""
+    return {tuple(ids): engine.generate(engine.prepare(ids, constraint=c, max_tokens=n,
+                                                       spec=None)).tokens
+            for ids, c, n in items}
+
+
+def checked_arm(want: dict[tuple[int, ...], list[int]], spec: Any) -> Arm:
+    """An arm decoding with `spec` that asserts each answer equals plain decoding's (`want`,
+    from `plain_answers`)."""
+    def run(engine: Any, ids: list[int], c: Constraint, n: int) -> Any:
+        out = engine.generate(engine.prepare(ids, constraint=c, max_tokens=n, spec=spec))
+        assert out.tokens == want[tuple(ids)], "tokens differ from plain decoding"
+        return out
+    return run

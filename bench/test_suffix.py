@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from bench import results
-from bench.harness import interleaved, paired_ratio, workload_items
+from bench.harness import (checked_arm, interleaved, paired_ratio, plain_answers,
+                           workload_items)
 from bench.workloads import REPEATED
 from specdec.lookup import SuffixStore
 from specdec.speculative import SpecConfig
@@ -24,17 +25,10 @@ def test_suffix_over_lookup_repeated_schema(benchmark, engine):
     e = Engine(engine.target, specdec.load("default-draft"), SERVING)
     e.suffixes = SuffixStore()
     items = workload_items(e, REPEATED, 64)
-    want = [e.generate(e.prepare(ids, constraint=c, max_tokens=n, spec=None)).tokens
-            for ids, c, n in items]
+    want = plain_answers(e, items)
 
-    def run(spec):
-        def go(eng, ids, c, n):
-            out = eng.generate(eng.prepare(ids, constraint=c, max_tokens=n, spec=spec))
-            assert out.tokens == want[[i for i, _, _ in items].index(ids)], "tokens differ"
-            return out
-        return go
-
-    arms = {"lookup": run(SERVING), "suffix": run(dataclasses.replace(SERVING, suffix=True))}
+    arms = {"lookup": checked_arm(want, SERVING),
+            "suffix": checked_arm(want, dataclasses.replace(SERVING, suffix=True))}
     # One pass: each ticket's answer proposes for the later tickets only (a second pass
     # would find its own answer in the store).
     rounds = 1

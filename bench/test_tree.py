@@ -12,7 +12,8 @@ import time
 import pytest
 
 from bench import results
-from bench.harness import interleaved, paired_ratio, workload_items
+from bench.harness import (checked_arm, interleaved, paired_ratio, plain_answers,
+                           workload_items)
 from bench.workloads import CASES, EXTRACTION
 from specdec.speculative import SpecConfig
 
@@ -31,20 +32,11 @@ def distilled(engine):
     return Engine(engine.target, specdec.load("default-draft"), CHAIN)
 
 
-def _checked(want: dict, spec: SpecConfig):
-    def run(e, ids, c, n):
-        out = e.generate(e.prepare(ids, constraint=c, max_tokens=n, spec=spec))
-        assert out.tokens == want[tuple(ids)], "tokens differ from plain decoding"
-        return out
-    return run
-
-
 def test_tree_over_chain_c1(benchmark, distilled):
     e = distilled
     items = workload_items(e, CASES_C1, MAX_TOKENS)
-    want = {tuple(ids): e.generate(e.prepare(ids, constraint=c, max_tokens=n, spec=None)).tokens
-            for ids, c, n in items}
-    arms = {"chain": _checked(want, CHAIN), "tree": _checked(want, TREE)}
+    want = plain_answers(e, items)
+    arms = {"chain": checked_arm(want, CHAIN), "tree": checked_arm(want, TREE)}
     rounds = results.rounds(1)
     res = benchmark.pedantic(lambda: interleaved(e, items, arms, rounds), rounds=1,
                              iterations=1)
