@@ -27,7 +27,7 @@ from tests.exactness import MODES, Cell, plain, run_cells
 CORPUS = sorted((Path(__file__).parent / "corpus").glob("*.json"))
 MAX_TOKENS = 24
 SEED = int(os.environ.get("SPECDEC_CORPUS_SEED") or datetime.date.today().toordinal())
-DEFAULTS = Cell("distilled", SpecConfig(4, lookup=True, draft_min_prob=0.3))  # as shipped
+DEFAULTS = Cell("distilled", SpecConfig(4, lookup=True, draft_min_prob=0.3, tree=4))  # as shipped
 CELLS = [
     DEFAULTS,
     Cell("distilled", SpecConfig(8, draft_masking=False, lookup=True)),

@@ -38,7 +38,7 @@ MAX_TOKENS = {"greedy": 256, "seeded": 48}  # greedy: the repro's own limit (a 6
 # shorter document only.
 CELLS = {
     "greedy": [
-        Cell("distilled", SpecConfig(4, lookup=True, draft_min_prob=0.3)),  # the shipped default
+        Cell("distilled", SpecConfig(4, lookup=True, draft_min_prob=0.3, tree=4)),  # shipped
         Cell("distilled", SpecConfig(8, draft_masking=False, lookup=True)),
         Cell("distilled", SpecConfig(2, forced_drafting=False, lookup=True)),
         Cell("none", SpecConfig(8)),                  # grammar-forced tokens only
