@@ -551,7 +551,8 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
 
     Token trees (`SpecConfig.tree`) need the target's batched layout; a round's requests
     share them out: n proposing requests get tree // n branch tokens each, so verify rows
-    stay few as the batch grows, and none when the draft model is left out."""
+    stay few as the batch grows, and none when the draft model is left out (the batch is
+    past `draft_max_batch`)."""
     rows = rows or {}
     t0 = time.perf_counter()
     out: list[Proposals] = [Proposals([], [])] * len(live)
@@ -581,8 +582,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
                               row0=rows.get(id(s)), budget_s=budget_s,
                               earlier=(s.suffixes.indexes(s.suffix_key)
                                        if s.suffixes is not None else ()),
-                              tree=(s.spec.tree // len(proposing)
-                                    if trees_ok and draft is not None else 0))
+                              tree=s.spec.tree // len(proposing) if trees_ok else 0)
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
     while gens:

@@ -17,30 +17,51 @@ from collections.abc import Iterable, Sequence
 from .decode import TokenId
 
 
+_END = -1  # between outputs in a store's index: no n-gram crosses it, no proposal is it
+
+
 class NgramIndex:
     """Latest continuation of each n-gram of a token sequence that only grows.
 
     Args:
         tokens: the initial context (the prompt).
         max_n: longest n-gram indexed (the longest suffix a lookup tries first).
+        older: earlier continuations kept per n-gram, each starting with a token the later
+            ones do not (token-tree branches); only n-grams seen followed by different
+            tokens hold any.
     """
 
-    def __init__(self, tokens: Iterable[TokenId] = (), max_n: int = 4) -> None:
+    def __init__(self, tokens: Iterable[TokenId] = (), max_n: int = 4, older: int = 2) -> None:
         if max_n < 1:
             raise ValueError(f"max_n={max_n}: must be >= 1")
-        self.max_n = max_n
+        self.max_n, self.older = max_n, older
         self.tokens: list[TokenId] = []
         self._after: list[dict[tuple[TokenId, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._older: list[dict[tuple[TokenId, ...], tuple[int, ...]]] = \
+            [{} for _ in range(max_n + 1)]
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[TokenId]) -> None:
         """Append tokens; each n-gram ending before a new token now has that continuation."""
         toks = self.tokens
         for t in tokens:
+            t = int(t)
             p = len(toks)  # index of the new token: the continuation of what precedes it
             for n in range(1, min(self.max_n, p) + 1):
-                self._after[n][tuple(toks[p - n:p])] = p
-            toks.append(int(t))
+                gram = tuple(toks[p - n:p])
+                last = self._after[n].get(gram)
+                self._after[n][gram] = p
+                if last is None or not self.older:
+                    continue
+                prev = self._older[n].get(gram, ())
+                if toks[last] != t:
+                    prev = (last, *prev)
+                prev = tuple(q for q in prev if toks[q] != t)[:self.older]
+                if prev:
+                    self._older[n][gram] = prev
+                else:
+                    self._older[n].pop(gram, None)
+            toks.append(t)
 
     def find(self, suffix: Sequence[TokenId], min_n: int) -> tuple[int, int] | None:
         """(position of the continuation, match length) for the longest suffix of `suffix`
@@ -50,6 +71,26 @@ class NgramIndex:
             if p is not None:
                 return p, n
         return None
+
+    def continuations(self, suffix: Sequence[TokenId], min_n: int, depth: int
+                      ) -> list[list[TokenId]]:
+        """What followed each match of `suffix`'s last n tokens (n from the longest indexed
+        down to `min_n`; for each, the latest occurrence, then the `older` ones), up to
+        `depth` tokens each and stopping at an output's end: one run per distinct first
+        token, longest match first, latest first (token-tree branches)."""
+        runs: dict[TokenId, list[TokenId]] = {}
+        toks = self.tokens
+        for n in range(min(self.max_n, len(suffix)), min_n - 1, -1):
+            gram = tuple(suffix[len(suffix) - n:])
+            p = self._after[n].get(gram)
+            if p is None:
+                continue
+            for q in (p, *self._older[n].get(gram, ())):
+                if toks[q] == _END or toks[q] in runs:
+                    continue
+                run = toks[q:q + depth]
+                runs[toks[q]] = run[:run.index(_END)] if _END in run else run
+        return list(runs.values())
 
 
 class LookupCursor:
@@ -83,9 +124,6 @@ class LookupCursor:
 def grammar_key(text: str) -> str:
     """A `SuffixStore` key for answers to one grammar: a digest of its text."""
     return hashlib.sha1(text.encode()).hexdigest()
-
-
-_END = -1  # between outputs in a store's index: no n-gram crosses it, no proposal is it
 
 
 class SuffixStore:

@@ -77,12 +77,13 @@ class SpecConfig:
         tree: most branch tokens a round adds to its chain of proposals (0: a chain): at
             each position the draft model was asked for, its likeliest other legal tokens
             (and, where the gate ended the chain, its pick among them) become branches, each
-            followed by the tokens the grammar then forces; the target verifies the whole
-            tree in one forward (`ragged.forward`'s trees). A batched round shares it out
-            (`core`), so a full batch verifies chains.
+            followed by the tokens the grammar then forces; at each looked-up position, the
+            other runs the prompt's index and the earlier answers hold there (`draft_steps`);
+            the target verifies the whole tree in one forward (`ragged.forward`'s trees). A
+            batched round shares it out (`core`), so a full batch verifies chains.
         tree_min_score: a branch's least estimated chance of being reached and accepted
-            (the draft's probabilities; a verify row costs ~4% of a forward on a 2-core
-            CPU, see bench/test_tree.py).
+            (the draft's probabilities, lookup's acceptance rate in the request; a verify row
+            costs ~4% of a forward on a 2-core CPU, see bench/test_tree.py).
     """
 
     k: int = 4
@@ -159,6 +160,11 @@ class SpecStats(StepTimings):
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+# A branch candidate: (token, its estimated chance of acceptance, source, the run that
+# follows it: a lookup match's next tokens, () for the draft model's).
+Branch = tuple[TokenId, float, str, Sequence[TokenId]]
+
+
 class Proposals(NamedTuple):
     """A round's proposals (`draft_steps`): tokens, their sources ("forced" | "looked_up" |
     "suffixed" | "drafted"), how many of them the draft cache holds, and, for a token tree,
@@ -228,8 +234,12 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     chain its pick too, scored by the draft's estimate of reaching and accepting them (the
     product of the chain's pick probabilities before them, times theirs); the best over
     `spec.tree_min_score` become branches, each followed by the tokens the grammar forces after
-    it. The chain comes first (proposals[i] under proposals[i - 1]), the branches after it.
-    Branch tokens are never fed to the draft model.
+    it. At each looked-up position, the other runs the prompt's index and the earlier
+    answers hold after the same context (other match lengths, other answers) become branches
+    too, scored by their source's acceptance rate in this request, each followed by the rest
+    of its run while that stays legal and over the threshold. The chain comes first
+    (proposals[i] under proposals[i - 1]), the branches after it. Branch tokens are never fed
+    to the draft model.
 
     `space`: the draft's logits (the replies to "forward") are over its own pruned
     vocabulary, column i being target id space[i], ascending (`MappedDraft.own_logits`); the
@@ -262,10 +272,15 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     suffix = SuffixCursor(earlier, spec.lookup_min_ngram) if earlier else None
     max_n = max([i.max_n for i in earlier] + ([index.max_n] if index is not None else [1]))
     tail = seq[-max_n:]
-    # Branch candidates per drafted position: (position, its matcher state, [(token, p)],
-    # the chance of reaching it); `reach` multiplies the chain's pick probabilities.
-    branches: list[tuple[int, LLMatcher | None, list[tuple[int, float]], float]] = []
+    # Branch candidates per drafted or looked-up position: (position, its matcher state, its
+    # `Branch`es, the chance of reaching it); `reach` multiplies the chain's pick
+    # probabilities (and lookup's rates).
+    branches: list[tuple[int, LLMatcher | None, list[Branch], float]] = []
     reach = 1.0
+    # A looked-up token's chance of being accepted: its source's rate so far in this
+    # request (a prior of 1/2), for the reach of what follows it and for lookup branches.
+    rate = {src: (getattr(stats, src + "_accepted") + 1) / (getattr(stats, src) + 2)
+            for src in ("looked_up", "suffixed")}
     for j in range(kk):
         forced = cand = None
         if clone is not None:
@@ -294,6 +309,13 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
             tok, src = forced, "forced"
         elif cand is not None and cand < draft_vocab:
             tok = cand
+            if tree > 0:  # the other runs the indexes hold here become branches
+                runs = _lookup_runs(index, earlier, tail, spec.lookup_min_ngram, kk - j,
+                                    row[0] if clone is not None else None, tok)
+                if runs:
+                    branches.append((j, clone.deep_copy() if clone is not None else None,
+                                     [(r[0], rate[s], s, r[1:]) for s, r in runs], reach))
+            reach *= rate[src]
         elif draft is None or j >= k_model:
             break  # no model (or its share is spent): stop at the first open position
         else:
@@ -330,7 +352,7 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
             tok = int(choice.item())
             gated = p_pick.item() < spec.draft_min_prob
             if alts:
-                opts = [(int(t if space is None else space[t]), float(q))
+                opts = [(int(t if space is None else space[t]), float(q), "drafted", ())
                         for t, q in zip(alts[0].tolist(), alts[1].tolist())
                         if q > 0 and (gated or t != tok)]
                 if opts:
@@ -364,45 +386,78 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     return Proposals(props, sources, fed, parents if len(props) > chain else None, chain)
 
 
+def _lookup_runs(index: NgramIndex | None, earlier: Sequence[NgramIndex], tail: list[TokenId],
+                 min_n: int, depth: int, row: np.ndarray | None, chosen: TokenId
+                 ) -> list[tuple[str, list[TokenId]]]:
+    """(source, run) for each run the prompt's index and the earlier answers' hold after
+    `tail` (`NgramIndex.continuations`) whose first token is legal here (`row`: the mask,
+    None: unconstrained) and not `chosen` or another run's."""
+    runs, seen = [], {chosen}
+    for src, indexes in (("looked_up", [index] if index is not None else []),
+                         ("suffixed", earlier)):
+        for ix in indexes:
+            for run in ix.continuations(tail, min_n, depth):
+                if run[0] in seen or (row is not None and not mask_allows(row, run[0])):
+                    continue
+                seen.add(run[0])
+                runs.append((src, run))
+    return runs
+
+
 def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
-               branches: list[tuple[int, LLMatcher | None, list[tuple[int, float]], float]],
+               branches: list[tuple[int, LLMatcher | None, list[Branch], float]],
                budget: int, min_score: float, kk: int, eos: set[int], stats: SpecStats,
                budget_s: float | None, forced_drafting: bool, vocab_size: int) -> None:
     """Add the best branches (`draft_steps`' `tree`) to a chain, in place: each candidate at
-    chain position j hangs under proposal j - 1, followed by the tokens its grammar state
-    then forces (up to the round's depth `kk`)."""
-    cands = sorted(((reach * q, j, t, st) for j, st, opts, reach in branches
-                    for t, q in opts), key=lambda c: -c[0])
+    chain position j hangs under proposal j - 1, followed (up to the round's depth `kk`) by
+    the tokens its grammar state then forces and, for a lookup run, the rest of the run
+    while legal and its score stays over `min_score` (each token multiplying it by the
+    run's rate)."""
+    cands = sorted(((reach * q, j, t, q, src, follow, st)
+                    for j, st, opts, reach in branches for t, q, src, follow in opts),
+                   key=lambda c: -c[0])
     row = llnp.allocate_token_bitmask(1, vocab_size)
-    for score, j, tok, st in cands:
+    for score, j, tok, q, src, follow, st in cands:
         if budget <= 0 or score < min_score:
             break
         props.append(tok)
-        sources.append("drafted")
+        sources.append(src)
         parents.append(j - 1)
-        stats.drafted += 1
+        setattr(stats, src, getattr(stats, src) + 1)
         stats.branched += 1
         budget -= 1
-        if st is None or tok in eos or not forced_drafting:
+        if tok in eos:
             continue
-        look, depth, at = st.deep_copy(), j + 1, len(props) - 1
-        if not look.consume_token(tok):
+        if not follow and (st is None or not forced_drafting):
+            continue  # nothing can follow it
+        look = st.deep_copy() if st is not None else None
+        if look is not None and not look.consume_token(tok):
             continue
+        at, depth, rest = len(props) - 1, j + 1, list(follow)
         while budget > 0 and depth < kk and not over_round_budget(stats, budget_s):
-            fill_row(look, row, 0, stats)
-            if look.is_error():
+            f = None
+            if look is not None:
+                fill_row(look, row, 0, stats)
+                if look.is_error():
+                    break
+                f = single_allowed(row[0]) if forced_drafting else None
+            if f is not None:  # forced: the run goes on only where it agrees
+                nxt, how = f, "forced"
+                rest = rest[1:] if rest and rest[0] == f else []
+            elif rest and score * q >= min_score and \
+                    (look is None or mask_allows(row[0], rest[0])):
+                nxt, how, rest = rest[0], src, rest[1:]
+                score *= q
+            else:
                 break
-            f = single_allowed(row[0])
-            if f is None:
-                break
-            props.append(f)
-            sources.append("forced")
+            props.append(nxt)
+            sources.append(how)
             parents.append(at)
-            stats.forced += 1
+            setattr(stats, how, getattr(stats, how) + 1)
             stats.branched += 1
             budget -= 1
             at, depth = len(props) - 1, depth + 1
-            if f in eos or not look.consume_token(f):
+            if nxt in eos or (look is not None and not look.consume_token(nxt)):
                 break
 
 

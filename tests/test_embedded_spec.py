@@ -93,7 +93,8 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
 def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     """The shipped draft: this mode's half of {k 2, 8} x {masking on, off} x {forced on,
     off}, plus lookup on and the serving defaults (lookup, confidence-gated drafting), with
-    suffix proposals and with token trees, each equal to plain decoding."""
+    suffix proposals, and with both and token trees (the draft's alternatives and the
+    earlier answers' other runs as branches), each equal to plain decoding."""
     e = distilled_engine
     ids = short_prompt(e, case)
     c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
@@ -103,7 +104,7 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     cells = [SpecConfig(k, dm, fd) for k, dm, fd in CELLS[mode]]
     cells += [SpecConfig(4, lookup=True), SpecConfig(4, lookup=True, draft_min_prob=0.3),
               SpecConfig(4, lookup=True, suffix=True, draft_min_prob=0.3),
-              SpecConfig(4, lookup=True, draft_min_prob=0.3, tree=8)]
+              SpecConfig(4, lookup=True, suffix=True, draft_min_prob=0.3, tree=8)]
     # Earlier answers for the suffix cell: the other mode's, and this one with every fifth
     # token changed (runs accepted, then a rejection mid-round).
     other = plain(e, ids, c, MODES["seeded" if p.greedy else "greedy"], MAX_TOKENS)
@@ -127,14 +128,16 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
 
 @pytest.mark.parametrize("draft_name", ["distilled", "none"])
 def test_extraction_with_prompt_lookup_equals_plain(distilled_engine, jf_engine, draft_name):
-    """Copying spans of the prompt: lookup proposals are accepted, output unchanged."""
+    """Copying spans of the prompt: lookup proposals are accepted, output unchanged. With no
+    draft model, token trees: the prompt's other matches branch."""
     e = distilled_engine if draft_name == "distilled" else jf_engine
     case = EXTRACTION[0]
     ids = e.chat_prompt(case.messages(), constrained=True)
     c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
     want = plain(e, ids, c, SamplingParams(), 48)  # one plain run for both drafts
     got = e.generate(e.prepare(ids, constraint=c, max_tokens=48,
-                               spec=SpecConfig(4, lookup=True)))
+                               spec=SpecConfig(4, lookup=True,
+                                               tree=8 if draft_name == "none" else 0)))
     same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
     tally.record("embedded: extraction, lookup on vs plain", same)
     tally.record_sources(f"embedded extraction, {draft_name} draft", got.stats)

@@ -94,3 +94,50 @@ def test_the_store_is_bounded_in_tokens_and_keys():
     assert _propose(store, None, [1, 2], 3) == []
     store.add("k", [5])  # one token proposes nothing: not kept
     assert store.indexes("k") == store.indexes(None)
+
+
+def test_continuations_give_one_run_per_first_token_longest_match_first():
+    idx = NgramIndex([1, 2, 3, 9, 8, 5, 2, 3, 7, 6, 4, 3, 5], max_n=3)
+    # (1, 2, 3) was followed by 9, (2, 3) last by 7, (3,) last by 5: one run each.
+    assert idx.continuations([1, 2, 3], min_n=1, depth=2) == [[9, 8], [7, 6], [5]]
+    assert idx.continuations([1, 2, 3], min_n=2, depth=4) == [[9, 8, 5, 2], [7, 6, 4, 3]]
+    store = SuffixStore()
+    store.add(None, [2, 3, 4, 5])
+    store.add(None, [1, 2, 3, 8])
+    # Older continuations come after the latest; a run stops at an answer's end; the same
+    # first token twice is one run.
+    every = store.indexes(None)[0]
+    assert every.continuations([1, 2, 3], min_n=1, depth=4) == [[8], [4, 5]]
+    assert every.continuations([9, 2, 3], min_n=1, depth=4) == [[8], [4, 5]]
+
+
+def test_older_continuations_are_the_latest_of_each_other_token_bounded():
+    idx = NgramIndex([5, 1, 5, 2, 5, 3, 5, 1, 5, 4], max_n=1, older=2)
+    # 5 was followed by 1, 2, 3, 1, 4: the latest is 4, then 1 (its latest), then 3.
+    assert idx.continuations([5], min_n=1, depth=1) == [[4], [1], [3]]
+    assert NgramIndex(idx.tokens, max_n=1, older=0).continuations([5], 1, 1) == [[4]]
+
+
+def _tree_proposals(store, key, context, **spec):
+    from specdec.sampling import SamplingParams
+    from specdec.speculative import SpecConfig, SpecStats, draft_steps
+    gen = draft_steps(None, [], context, 8, None, SamplingParams(),
+                      SpecConfig(4, suffix=True, **spec), SpecStats(), {0}, 64, 64, 0,
+                      earlier=store.indexes(key), tree=8)
+    with pytest.raises(StopIteration) as done:
+        next(gen)  # no draft model: nothing to ask for
+    return done.value.value
+
+
+def test_the_other_answers_runs_become_branches_off_the_chain():
+    store = SuffixStore()
+    store.add("a", [1, 2, 3, 4, 5])
+    store.add(None, [5, 6, 1, 2, 3, 9, 9])  # the latest answer: every answer's index
+    p = _tree_proposals(store, "a", [7, 1, 2, 3], tree_min_score=0.2)
+    # The key's run is the chain; every answer's run hangs off the context as a branch, its
+    # tokens kept while the score (the rate so far, a prior of 1/2, per token) stays >= 0.2.
+    assert (p.tokens[:p.chain], p.tokens[p.chain:]) == ([4, 5], [9, 9])
+    assert p.parents == [-1, 0, -1, 2] and p.sources == ["suffixed"] * 4
+    # Under a higher threshold the second run token goes (0.25 < 0.3), then the branch.
+    assert _tree_proposals(store, "a", [7, 1, 2, 3], tree_min_score=0.3).tokens == [4, 5, 9]
+    assert _tree_proposals(store, "a", [7, 1, 2, 3], tree_min_score=0.6).parents is None

@@ -246,7 +246,8 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
     defaults on top (forced, then lookup, then the draft model, drafting ends below p=0.3).
     "+suffix": those and proposals from earlier answers (`lookup.SuffixStore`) holding the
     other mode's answer and this answer with every seventh token changed, so runs of them
-    are accepted and then rejected mid-round. "+tree": the serving defaults with token trees
+    are accepted and then rejected mid-round; at k8 with token trees, where the two answers'
+    runs become each other's branches. "+tree": the serving defaults with token trees
     (`SpecConfig.tree`) over drafts unsure enough to branch, whose branches are accepted
     and rejected."""
     params = GREEDY if mode == "greedy" else SEEDED
@@ -273,7 +274,8 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
                            spec=SpecConfig(k, dm, fd, lookup=bool(lookup),
                                            suffix=lookup == "suffix",
                                            draft_min_prob=0.3 if lookup else 0.0,
-                                           tree=8 if lookup == "tree" else 0,
+                                           tree=8 if lookup == "tree" or (
+                                               lookup == "suffix" and k == 8) else 0,
                                            tree_min_score=0.02),
                            suffixes=store, suffix_key=g.text)
         suffixed += st.suffixed
