@@ -27,7 +27,7 @@ REQUIRED = (
     "load_requests", "load_5xx", "load_lost", "load_rss_growth_mb",
     "sharded2_over_single_tok_s", "sharded2_broadcast_ms_per_round", "draft_left_out_over_kept_c8",
     "tree_over_chain_c1", "tree_over_chain_c8", "accepted_per_round_chain",
-    "accepted_per_round_tree",
+    "accepted_per_round_tree", "serving_tree_over_chain_c1", "serving_tree_over_chain_c8",
 )
 
 

@@ -75,7 +75,9 @@ N_CASES = 6  # the JSON-schema workloads every level sends, each client all of t
 
 
 def one(client, i: int, structured: bool, extra_body: dict | None = None,
-        model: str = "default") -> tuple[float, int]:
+        model: str = "default", answers: list | None = None) -> tuple[float, int]:
+    """Workload i once: (latency, completion tokens); its (workload, text) appended to
+    `answers` when given."""
     case = [c for c in CASES if c.kind == "json_schema"][i % N_CASES]
     extra = {"response_format": {"type": "json_schema", "json_schema": {
         "name": case.name, "schema": case.value, "strict": True}}} if structured else {}
@@ -83,17 +85,19 @@ def one(client, i: int, structured: bool, extra_body: dict | None = None,
     r = client.chat.completions.create(model=model, messages=case.messages(),
                                        max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body=extra_body, **extra)
+    if answers is not None:
+        answers.append((i % N_CASES, r.choices[0].message.content))
     return time.perf_counter() - t0, r.usage.completion_tokens
 
 
 def load(client, c: int, passes: int, structured: bool, extra_body: dict | None = None,
-         model: str = "default") -> tuple[float, np.ndarray]:
+         model: str = "default", answers: list | None = None) -> tuple[float, np.ndarray]:
     """`c` concurrent clients, each sending every workload `passes` times in turn (client j
     starts at workload j), so every level does the same mix of work: (aggregate tok/s,
-    latencies of all requests)."""
+    latencies of all requests). `answers`: gets every (workload, text)."""
 
     def client_run(j: int) -> list[tuple[float, int]]:
-        return [one(client, j + t, structured, extra_body, model)
+        return [one(client, j + t, structured, extra_body, model, answers)
                 for t in range(N_CASES * passes)]
 
     t0 = time.perf_counter()
@@ -239,3 +243,37 @@ def test_draft_left_out_under_load_c8(benchmark, server):
         benchmark.pedantic(run_all, rounds=1, iterations=1)
     finally:
         kept.stop()
+
+
+def test_tree_over_chain_serving(benchmark, server):
+    """The paired serving run for token trees: the default server (--tree 4) against one
+    that verifies chains (--tree 0), 1 and 8 clients, structured, arms interleaved; every
+    answer compared with the same workload's from the other arm."""
+    chain = Server("--max-batch", str(MAX_BATCH), "--tree", "0")
+    warm(chain.client())
+    rounds = 2 if QUICK else 3
+    try:
+        def run_all() -> None:
+            for c in (1, 8):
+                ratios, differ, total = [], 0, 0
+                for r in range(rounds):
+                    arms = [("tree", server), ("chain", chain)]
+                    got, texts = {}, {}
+                    for name, s in (arms if r % 2 == 0 else arms[::-1]):
+                        texts[name] = []
+                        got[name] = load(s.client(), c, PASSES, True, answers=texts[name])[0]
+                    ratios.append(got["tree"] / got["chain"])
+                    a, b = sorted(texts["tree"]), sorted(texts["chain"])
+                    differ += sum(x != y for x, y in zip(a, b))
+                    total += len(a)
+                # On a BLAS that is not batch-invariant, rows batched differently may flip a
+                # near-tie (the exactness suite checks equality on the reference BLAS).
+                results.add(f"serving_tree_over_chain_c{c}", statistics.median(ratios), "x",
+                            f"{c} clients, structured, {c * N_CASES * PASSES} requests per arm, "
+                            f"median of {rounds} interleaved rounds; serving defaults with "
+                            f"--tree 4 against --tree 0; answers differing between the arms: "
+                            f"{differ} of {total}")
+
+        benchmark.pedantic(run_all, rounds=1, iterations=1)
+    finally:
+        chain.stop()

@@ -1,14 +1,14 @@
 """Suffix proposals from earlier answers (`lookup.SuffixStore`) on a repeated-schema workload:
-the serving defaults with and without them, arms interleaved per prompt, each arm checked to
-give the tokens plain decoding gives. The suffix arm's store holds only its own earlier
-answers, to the tickets before (it starts empty)."""
+the serving defaults with and without them, and with them and token trees, arms interleaved
+per prompt, each arm checked to give the tokens plain decoding gives. Each suffix arm's store
+holds only its own earlier answers, to the tickets before (it starts empty)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from bench import results
-from bench.harness import (checked_arm, interleaved, paired_ratio, plain_answers,
+from bench.harness import (Arm, checked_arm, interleaved, paired_ratio, plain_answers,
                            workload_items)
 from bench.workloads import REPEATED
 from specdec.lookup import SuffixStore
@@ -16,6 +16,20 @@ from specdec.speculative import SpecConfig
 
 K = 4
 SERVING = SpecConfig(K, lookup=True, draft_min_prob=0.3)
+
+
+def own_store(arm: Arm) -> Arm:
+    """The arm with a store of its own (its own earlier answers only), swapped in for each
+    call."""
+    store = SuffixStore()
+
+    def run(engine, ids, c, n):
+        kept, engine.suffixes = engine.suffixes, store
+        try:
+            return arm(engine, ids, c, n)
+        finally:
+            engine.suffixes = kept
+    return run
 
 
 def test_suffix_over_lookup_repeated_schema(benchmark, engine):
@@ -27,8 +41,9 @@ def test_suffix_over_lookup_repeated_schema(benchmark, engine):
     items = workload_items(e, REPEATED, 64)
     want = plain_answers(e, items)
 
-    arms = {"lookup": checked_arm(want, SERVING),
-            "suffix": checked_arm(want, dataclasses.replace(SERVING, suffix=True))}
+    suffix = dataclasses.replace(SERVING, suffix=True)
+    arms = {"lookup": checked_arm(want, SERVING), "suffix": checked_arm(want, suffix),
+            "suffix_tree": own_store(checked_arm(want, dataclasses.replace(suffix, tree=8)))}
     # One pass: each ticket's answer proposes for the later tickets only (a second pass
     # would find its own answer in the store).
     rounds = 1
@@ -39,6 +54,9 @@ def test_suffix_over_lookup_repeated_schema(benchmark, engine):
             "answer equal to plain decoding's")
     su, lo = res["suffix"], res["lookup"]
     results.add("suffix_over_lookup_repeated_schema", paired_ratio(su, lo), "ratio", note)
+    results.add("suffix_tree_over_suffix_repeated_schema", paired_ratio(res["suffix_tree"], su),
+                "ratio", "the suffix arm with token trees (tree=8: the earlier answers' other "
+                "runs and the draft's alternatives branch), its own store")
     results.add("suffix_acceptance", su.total("suffixed_accepted") / max(su.total("suffixed"), 1),
                 "fraction", "suffix proposals accepted")
     results.add("suffix_fraction_of_tokens", su.total("suffixed_accepted")
