@@ -4,10 +4,11 @@ with `oneOf`/`anyOf`/`$ref`/`definitions`, optional keys and open `additionalPro
 each decoded plainly and by proposer cells on the embedded model, compiled leniently as the
 server does for a non-strict `json_schema`.
 
-Every schema runs every session, with a rotating subset of the cells: which cell and mode a
-schema gets is a function of the corpus seed (`SPECDEC_CORPUS_SEED`, default: the day
-number, printed in the summary), so every (schema, cell) pair is covered over runs and any
-failure is reproducible from its seed.
+Every schema runs every session under the shipped defaults, half of them with one rotating
+cell more: which mode a schema runs in and which cell it gets are a function of the corpus
+seed (`SPECDEC_CORPUS_SEED`, default: the day number, printed in the summary), so every
+(schema, cell, mode) triple is covered over runs and any failure is reproducible from its
+seed.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ CELLS = [
 
 
 def cells_for(i: int) -> tuple[str, list[Cell]]:
-    """The mode and cells schema i runs this session: the shipped defaults, plus one
-    rotating cell (both modes over the rotation)."""
-    r = (i + SEED) % (2 * len(CELLS))
+    """The mode and cells schema i runs this session: the shipped defaults, plus, where
+    (i + seed) % 4 < 2, one rotating cell. Over consecutive seeds every schema meets every
+    (cell, mode): n = i + seed with n % 4 in {0, 1} takes every residue n % 14 (both
+    parities), and r = n % 14 picks the mode (r % 2) and the cell (r // 2)."""
+    n = i + SEED
+    r = n % (2 * len(CELLS))
     mode = sorted(MODES)[r % 2]
-    extra = CELLS[r // 2]
+    extra = CELLS[r // 2] if n % 4 < 2 else DEFAULTS
     return mode, [DEFAULTS] + ([extra] if extra is not DEFAULTS else [])
 
 
