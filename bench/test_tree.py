@@ -20,7 +20,8 @@ from specdec.speculative import SpecConfig
 K = 4
 MAX_TOKENS = 64
 CHAIN = SpecConfig(K, lookup=True, draft_min_prob=0.3)  # the serving defaults' chain
-TREE = dataclasses.replace(CHAIN, tree=8)
+TREE = dataclasses.replace(CHAIN, tree=8)  # the threshold priced by the engine (`TreeCosts`)
+PINNED = dataclasses.replace(TREE, tree_min_score=0.15)  # a fixed threshold
 CASES_C1 = [c for c in CASES if c.kind in ("json_schema", "regex")] + list(EXTRACTION[:2])
 
 
@@ -36,7 +37,8 @@ def test_tree_over_chain_c1(benchmark, distilled):
     e = distilled
     items = workload_items(e, CASES_C1, MAX_TOKENS)
     want = plain_answers(e, items)
-    arms = {"chain": checked_arm(want, CHAIN), "tree": checked_arm(want, TREE)}
+    arms = {"chain": checked_arm(want, CHAIN), "tree": checked_arm(want, TREE),
+            "tree_pinned": checked_arm(want, PINNED)}
     rounds = results.rounds(1)
     res = benchmark.pedantic(lambda: interleaved(e, items, arms, rounds), rounds=1,
                              iterations=1)
@@ -45,6 +47,10 @@ def test_tree_over_chain_c1(benchmark, distilled):
             "equal to plain decoding's")
     ch, tr = res["chain"], res["tree"]
     results.add("tree_over_chain_c1", paired_ratio(tr, ch), "ratio", note)
+    results.add("tree_pinned_over_chain_c1", paired_ratio(res["tree_pinned"], ch), "ratio",
+                note + "; the threshold pinned at 0.15")
+    results.add("tree_threshold_c1", e.tree_costs.threshold(), "score",
+                "the engine's priced branch threshold after the run (over 1: chains)")
     for name, r in res.items():
         results.add(f"accepted_per_round_{name}", r.total("accepted") / max(r.total("rounds"), 1),
                     "tokens", note)

@@ -157,6 +157,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="most branch tokens a round adds to its chain of proposals (token "
                         "trees, verified in one forward; shared out across a batch, none "
                         "where the draft model is left out); 0: chains only")
+    p.add_argument("--tree-min-score", default="auto",
+                   help="a branch's least estimated chance of being reached and accepted; "
+                        "'auto': priced by what verify rows cost now (wide trees where rows "
+                        "are cheap, chains where a full batch waits on them)")
     p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
                    help="tokens proposed per speculative round (1..16)")
     p.add_argument("--no-draft-masking", action="store_true",
@@ -180,6 +184,16 @@ def _reasoning_format(name: str | None) -> str | None:
     return name
 
 
+def _tree_min_score(value: str) -> float | None:
+    if value == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"specdec: error: --tree-min-score {value!r}: a number in [0, 1] "
+                         "or 'auto'")
+
+
 def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) -> Any:
     """Load the target (and draft) named on the command line into an Engine (the target
     sharded over `shard_group` when given; the draft whole on every rank)."""
@@ -201,7 +215,8 @@ def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) 
         draft = load(name)
     spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting,
                       lookup=not args.no_lookup, suffix=not args.no_suffix,
-                      draft_min_prob=args.draft_min_prob, tree=args.tree)
+                      draft_min_prob=args.draft_min_prob, tree=args.tree,
+                      tree_min_score=_tree_min_score(args.tree_min_score))
     limit = args.draft_max_batch
     if limit not in ("auto", "none"):
         try:

@@ -51,8 +51,8 @@ from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_n
                        unpack_bitmask)
 from .errors import InternalError, SpecdecError
 from .events import TokenLogprob
-from .speculative import (Proposals, SpecConfig, SpecStats, _trim, draft_steps, tree_masks,
-                          tree_path, verify_masks)
+from .speculative import (TREE_MIN_SCORE, Proposals, SpecConfig, SpecStats, TreeCosts, _trim,
+                          draft_steps, tree_masks, tree_path, verify_masks)
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
@@ -139,6 +139,8 @@ class Models:
             would draft (None: any number); a larger round proposes grammar-forced and
             looked-up tokens only. Where the target's forward is compute-bound (a CPU), a
             large batch's extra verify rows and draft steps cost more than they save.
+        trees: what branch rows cost now, learned from the rounds (`TreeCosts`); None: the
+            threshold is `TREE_MIN_SCORE` where a spec leaves it open.
     """
 
     target: nn.Module
@@ -147,6 +149,7 @@ class Models:
     draft_vocab_size: int = 0
     draft_max_batch: int | None = None
     masks: MaskBudget = MaskBudget()
+    trees: TreeCosts | None = None
 
 
 @dataclass(eq=False)
@@ -427,8 +430,10 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
         s.stats.rounds += s.spec is not None
         s.stats.round_mask_s = 0.0
     in_round = models.masks.slow_s if models.masks.in_round else None
+    t_round = time.perf_counter()
     # 1. Propose: every request's proposers in lock-step, one batched draft forward per step.
-    proposed = _propose_all(models, live, rows, in_round)
+    min_score = models.trees.threshold() if models.trees is not None else TREE_MIN_SCORE
+    proposed, draft_forwards = _propose_all(models, live, rows, in_round, min_score)
     if any(s.error is not None for s in live):  # a request's proposer failed: it leaves
         keep = [i for i, s in enumerate(live) if s.error is None]
         live, proposed = [live[i] for i in keep], [proposed[i] for i in keep]
@@ -496,6 +501,7 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
     wait = time.perf_counter() - tw
     verify_s = time.perf_counter() - t0
     # 4. Accept and trim, per request.
+    hits = sum(s.stats.branched_accepted for s in live)
     for i, s in enumerate(live):
         s.stats.wait_s += wait
         s.stats.verify_s += verify_s
@@ -508,6 +514,13 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
         s.ask_next_mask(models.vocab_size)  # fills while the others' rounds go on
+    if models.trees is not None:
+        models.trees.observe(time.perf_counter() - t_round, sum(w + 1 for w in widths),
+                             sum(len(p.tokens) - p.chain for p in proposed
+                                 if p.parents is not None), draft_forwards,
+                             sum(len(s.new_tokens) for s in live),
+                             sum(p.score for p in proposed),
+                             sum(s.stats.branched_accepted for s in live) - hits)
 
 
 def _logsumexp(x: mx.array, block: int = 256) -> mx.array:
@@ -541,18 +554,20 @@ def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
 
 
 def _propose_all(models: Models, live: Sequence[DecodeState],
-                 rows: dict[int, np.ndarray] | None = None, budget_s: float | None = None
-                 ) -> list[Proposals]:
+                 rows: dict[int, np.ndarray] | None = None, budget_s: float | None = None,
+                 min_score: float = TREE_MIN_SCORE) -> tuple[list[Proposals], int]:
     """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
     forwards they ask for at the same step run as one ragged forward, and their picks are
-    evaluated with one sync per step. Returns each request's `Proposals`; a request whose
-    proposer raised proposes nothing and gets its `error`. `rows`: each request's mask at
-    its current state (by `id` of its state), where filled already.
+    evaluated with one sync per step. Returns each request's `Proposals` (a request whose
+    proposer raised proposes nothing and gets its `error`) and how many draft forwards ran.
+    `rows`: each request's mask at its current state (by `id` of its state), where filled
+    already.
 
     Token trees (`SpecConfig.tree`) need the target's batched layout; a round's requests
     share them out: n proposing requests get tree // n branch tokens each, so verify rows
     stay few as the batch grows, and none when the draft model is left out (the batch is
-    past `draft_max_batch`)."""
+    past `draft_max_batch`). `min_score`: the round's branch threshold where a spec leaves it
+    open (`TreeCosts.threshold`; over 1: those requests propose chains)."""
     rows = rows or {}
     t0 = time.perf_counter()
     out: list[Proposals] = [Proposals([], [])] * len(live)
@@ -582,9 +597,13 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
                               row0=rows.get(id(s)), budget_s=budget_s,
                               earlier=(s.suffixes.indexes(s.suffix_key)
                                        if s.suffixes is not None else ()),
-                              tree=s.spec.tree // len(proposing) if trees_ok else 0)
+                              tree=(s.spec.tree // len(proposing) if trees_ok and (
+                                  s.spec.tree_min_score is not None or min_score <= 1.0)
+                                    else 0),
+                              min_score=min_score)
         asks[i] = ("start", None)
     replies: dict[int, object] = {i: None for i in gens}
+    forwards = 0
     while gens:
         for i in list(gens):
             try:
@@ -599,6 +618,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
         replies = {i: None for i in gens}
         fwd = [i for i in gens if asks[i][0] == "forward"]
         if fwd:
+            forwards += 1
             logits = ragged.forward(models.draft, [(asks[i][1], live[i].d_cache) for i in fwd],
                                     rows=[1] * len(fwd), mapped=False)
             own = getattr(models.draft, "own_logits", None)  # a pruned-vocabulary draft
@@ -612,7 +632,7 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
         if s.spec is not None:
             s.stats.draft_s += spent
             s.stats.proposed += len(p.tokens)
-    return out
+    return out, forwards
 
 
 def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,

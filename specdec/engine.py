@@ -40,7 +40,7 @@ from .reasoning import Thinking, marker_ids
 from .request import GenerateRequest, Message, NamedTool, Tool
 from .sampling import SamplingParams
 from .scheduler import Decisions, Scheduler, Ticket, kv_positions
-from .speculative import DraftConfigError, SpecConfig
+from .speculative import DraftConfigError, SpecConfig, TreeCosts
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
                     json_calls_schema, tools_grammar)
 
@@ -201,6 +201,7 @@ class Engine:
         self.masks = masks
         self.kv_store = PromptKVCache()
         self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix`
+        self.tree_costs = TreeCosts()  # what branch rows cost on this machine now
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="specdec-compile")
         self.compiler = GrammarCompiler.for_hf_tokenizer(
@@ -701,7 +702,8 @@ class Engine:
         """The models requests decode with (for `core` and the scheduler)."""
         d = self.draft
         return Models(self.target.model, self.target.vocab_size, d.model if d else None,
-                      d.vocab_size if d else 0, self.draft_max_batch, self.masks)
+                      d.vocab_size if d else 0, self.draft_max_batch, self.masks,
+                      self.tree_costs)
 
     def new_state(self, req: Request) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""

@@ -82,8 +82,9 @@ class SpecConfig:
             the target verifies the whole tree in one forward (`ragged.forward`'s trees). A
             batched round shares it out (`core`), so a full batch verifies chains.
         tree_min_score: a branch's least estimated chance of being reached and accepted
-            (the draft's probabilities, lookup's acceptance rate in the request; a verify row
-            costs ~4% of a forward on a 2-core CPU, see bench/test_tree.py).
+            (the draft's probabilities, lookup's acceptance rate in the request); None: what
+            rows cost now decides (`TreeCosts.min_score`: a branch token is proposed when the
+            tokens it is expected to add are worth its row's time at the round's rate).
     """
 
     k: int = 4
@@ -94,7 +95,7 @@ class SpecConfig:
     suffix: bool = False
     draft_min_prob: float = 0.0
     tree: int = 0
-    tree_min_score: float = 0.15
+    tree_min_score: float | None = None
 
     @property
     def cheap_k(self) -> int:
@@ -109,10 +110,85 @@ class SpecConfig:
         if not isinstance(self.tree, int) or not 0 <= self.tree <= MAX_TREE_NODES:
             raise DraftConfigError(f"tree={self.tree!r}: must be an integer in "
                                    f"[0, {MAX_TREE_NODES}]")
-        if not 0.0 <= self.tree_min_score <= 1.0:
+        if self.tree_min_score is not None and not 0.0 <= self.tree_min_score <= 1.0:
             raise DraftConfigError(f"tree_min_score={self.tree_min_score!r}: must be in [0, 1]")
         if self.lookup_min_ngram < 1:
             raise DraftConfigError(f"lookup_min_ngram={self.lookup_min_ngram!r}: must be >= 1")
+
+
+TREE_MIN_SCORE = 0.15  # a branch's least score until `TreeCosts` has priced rows
+TREE_MIN_FLOOR = 0.01  # the least threshold however cheap rows are
+
+
+@dataclass(eq=False)
+class TreeCosts:
+    """What a token tree's branch row costs now and what it brings, learned from the rounds
+    an engine runs; the threshold of requests whose `SpecConfig.tree_min_score` is None.
+
+    Each round (`observe`) adds its seconds (proposing through accepting), its verify rows
+    (all, and those on branches), its draft forwards, the tokens it emitted, and its branch
+    tokens' scores and how many of them were accepted. An exponentially weighted
+    least-squares fit of seconds = a + b * rows + e * branch_rows + f * draft_forwards
+    (ridge on e: a branch row costs a chain row until branches are measured) prices a
+    branch row (its verify row, masks and growing) at b + e; tau, the round seconds per
+    emitted token, is what a row's time would buy otherwise. A branch token scored p adds
+    ~kappa * p tokens (kappa: accepted branch tokens over the scores proposed, a prior of
+    1), so it is worth its row when kappa * p * tau >= b + e: `threshold` is
+    (b + e) / (kappa * tau). Rows that cost little (a small batch on a memory-bound GPU)
+    give wide trees; rows whose compute the batch waits for (a full batch on a CPU) give a
+    threshold over 1, chains. After `explore` rounds without a branch one round uses
+    `TREE_MIN_SCORE`, so a stale price is measured again.
+    """
+
+    decay: float = 0.97  # each round's weight is this times the next one's
+    ridge: float = 4.0
+    explore: int = 64
+    warmup: float = 8.0  # rounds (by weight) before the fit is used
+
+    def __post_init__(self) -> None:
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
+        self._weight = self._seconds = self._tokens = self._scored = self._hits = 0.0
+        self._idle = 0
+
+    def observe(self, seconds: float, rows: int, branch_rows: int, draft_forwards: int,
+                emitted: int, scored: float, hits: int) -> None:
+        """Add one round's figures."""
+        d = self.decay
+        x = np.array([1.0, rows, branch_rows, draft_forwards])
+        self._xx = d * self._xx + np.outer(x, x)
+        self._xy = d * self._xy + x * seconds
+        self._weight = d * self._weight + 1.0
+        self._seconds = d * self._seconds + seconds
+        self._tokens = d * self._tokens + emitted
+        self._scored = d * self._scored + scored
+        self._hits = d * self._hits + hits
+        # a round with branches, or one that measured them again (`threshold`), restarts it
+        self._idle = 0 if branch_rows or self._idle >= self.explore else self._idle + 1
+
+    def prices(self) -> tuple[float, float, float] | None:
+        """(seconds per branch row, seconds per emitted token, kappa), or None before
+        `warmup` rounds."""
+        if self._weight < self.warmup or self._tokens <= 0:
+            return None
+        small = 1e-6 * (np.diag(self._xx) + 1.0)  # a column that never varies: no price
+        reg = np.diag([0.0, small[1], self.ridge, small[3]])
+        try:
+            _, b, e, _ = np.linalg.solve(self._xx + reg + 1e-9 * np.eye(4), self._xy)
+        except np.linalg.LinAlgError:
+            return None
+        return (max(0.0, float(b + e)), self._seconds / self._tokens,
+                (self._hits + 1.0) / (self._scored + 1.0))
+
+    def threshold(self) -> float:
+        """This round's least branch score (may be over 1: no branch is worth its row)."""
+        p = self.prices()
+        if p is None:
+            return TREE_MIN_SCORE
+        if self._idle >= self.explore:
+            return TREE_MIN_SCORE
+        row_s, token_s, kappa = p
+        return max(TREE_MIN_FLOOR, row_s / (kappa * token_s))
 
 
 @dataclass
@@ -169,13 +245,15 @@ class Proposals(NamedTuple):
     """A round's proposals (`draft_steps`): tokens, their sources ("forced" | "looked_up" |
     "suffixed" | "drafted"), how many of them the draft cache holds, and, for a token tree,
     each one's parent (-1: the context; None: a chain) with the chain's length (the tokens
-    before the first branch; the draft model fed those only)."""
+    before the first branch; the draft model fed those only) and the sum of the branch
+    tokens' scores (`TreeCosts`)."""
 
     tokens: list[TokenId]
     sources: list[str]
     fed: int = 0
     parents: list[int] | None = None
     chain: int = 0
+    score: float = 0.0  # the branch tokens' scores, summed
 
 
 def fill_row(matcher: Any, bitmask: np.ndarray, j: int, stats: StepTimings | None) -> None:
@@ -218,8 +296,8 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
            stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
            index: NgramIndex | None = None, run_on: bool = True,
            space: np.ndarray | None = None, row0: np.ndarray | None = None,
-           budget_s: float | None = None, earlier: Sequence[NgramIndex] = (), tree: int = 0
-           ) -> Generator[tuple[str, Any], Any, Proposals]:
+           budget_s: float | None = None, earlier: Sequence[NgramIndex] = (), tree: int = 0,
+           min_score: float = TREE_MIN_SCORE) -> Generator[tuple[str, Any], Any, Proposals]:
     """Propose up to kk tokens, each from the first source that has one: the grammar (a
     forced token), prompt lookup (a legal continuation of a repeated n-gram), earlier
     answers (`earlier`: a `SuffixStore`'s indexes, the same), the draft model.
@@ -234,7 +312,8 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
     chain its pick too, scored by the draft's estimate of reaching and accepting them (the
     product of the chain's pick probabilities before them, times theirs); the best over
     `spec.tree_min_score` become branches, each followed by the tokens the grammar forces after
-    it. At each looked-up position, the other runs the prompt's index and the earlier
+    it (`min_score` where the spec leaves it to the engine, None: `TreeCosts.threshold`). At
+    each looked-up position, the other runs the prompt's index and the earlier
     answers hold after the same context (other match lengths, other answers) become branches
     too, scored by their source's acceptance rate in this request, each followed by the rest
     of its run while that stays legal and over the threshold. The chain comes first
@@ -381,9 +460,11 @@ def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: 
         return Proposals(props, sources, fed)
     chain = len(props)
     parents = list(range(-1, chain - 1))
-    _grow_tree(props, sources, parents, branches, tree, spec.tree_min_score, kk, eos, stats,
-               budget_s, spec.forced_drafting, vocab_size)
-    return Proposals(props, sources, fed, parents if len(props) > chain else None, chain)
+    score = _grow_tree(props, sources, parents, branches, tree,
+                       spec.tree_min_score if spec.tree_min_score is not None else min_score,
+                       kk, eos, stats, budget_s, spec.forced_drafting, vocab_size)
+    return Proposals(props, sources, fed, parents if len(props) > chain else None, chain,
+                     score)
 
 
 def _lookup_runs(index: NgramIndex | None, earlier: Sequence[NgramIndex], tail: list[TokenId],
@@ -407,19 +488,22 @@ def _lookup_runs(index: NgramIndex | None, earlier: Sequence[NgramIndex], tail: 
 def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
                branches: list[tuple[int, LLMatcher | None, list[Branch], float]],
                budget: int, min_score: float, kk: int, eos: set[int], stats: SpecStats,
-               budget_s: float | None, forced_drafting: bool, vocab_size: int) -> None:
+               budget_s: float | None, forced_drafting: bool, vocab_size: int) -> float:
     """Add the best branches (`draft_steps`' `tree`) to a chain, in place: each candidate at
     chain position j hangs under proposal j - 1, followed (up to the round's depth `kk`) by
     the tokens its grammar state then forces and, for a lookup run, the rest of the run
     while legal and its score stays over `min_score` (each token multiplying it by the
-    run's rate)."""
+    run's rate). Returns the added tokens' scores, summed (a forced token's is its
+    branch's)."""
     cands = sorted(((reach * q, j, t, q, src, follow, st)
                     for j, st, opts, reach in branches for t, q, src, follow in opts),
                    key=lambda c: -c[0])
     row = llnp.allocate_token_bitmask(1, vocab_size)
+    total = 0.0
     for score, j, tok, q, src, follow, st in cands:
         if budget <= 0 or score < min_score:
             break
+        total += score
         props.append(tok)
         sources.append(src)
         parents.append(j - 1)
@@ -450,6 +534,7 @@ def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
                 score *= q
             else:
                 break
+            total += score
             props.append(nxt)
             sources.append(how)
             parents.append(at)
@@ -459,6 +544,7 @@ def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
             at, depth = len(props) - 1, depth + 1
             if nxt in eos or (look is not None and not look.consume_token(nxt)):
                 break
+    return total
 
 
 def space_mask(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
