@@ -407,9 +407,12 @@ def decode_plainly(s: DecodeState, why: str) -> None:
     s.slow_masks = True
 
 
-def run_round(models: Models, states: Sequence[DecodeState]) -> None:
+def run_round(models: Models, states: Sequence[DecodeState],
+              min_score: float | None = None) -> None:
     """One round over every ready state (see the module docstring). A request's grammar
-    error ends that request only (`state.error`); the others carry on."""
+    error ends that request only (`state.error`); the others carry on. `min_score`: the
+    round's token-tree branch threshold where a spec leaves it open (None: priced now,
+    `models.trees`; the scheduler passes it, so a sharded target's ranks use rank 0's)."""
     for s in states:
         s.new_tokens = []  # what this round emits (nothing for a finished request)
         s.new_logprobs = []
@@ -432,7 +435,8 @@ def run_round(models: Models, states: Sequence[DecodeState]) -> None:
     in_round = models.masks.slow_s if models.masks.in_round else None
     t_round = time.perf_counter()
     # 1. Propose: every request's proposers in lock-step, one batched draft forward per step.
-    min_score = models.trees.threshold() if models.trees is not None else TREE_MIN_SCORE
+    if min_score is None:
+        min_score = models.trees.threshold() if models.trees is not None else TREE_MIN_SCORE
     proposed, draft_forwards = _propose_all(models, live, rows, in_round, min_score)
     if any(s.error is not None for s in live):  # a request's proposer failed: it leaves
         keep = [i for i, s in enumerate(live) if s.error is None]

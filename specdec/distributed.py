@@ -118,6 +118,8 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
         late, gone, idle, plain = ([tickets[k] for k in keys if k in tickets]
                                    for keys in (d.late, d.gone, d.idle, d.plain))
         over = [(tickets[k], e) for k, e in d.over if k in tickets]
+        if d.tree_min_score is not None:  # priced by rank 0's clock, not this rank's
+            sched.tree_min_score = d.tree_min_score
         try:
             sched.replay(late, gone, idle, plain, over)
         except Exception as e:

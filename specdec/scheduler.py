@@ -27,6 +27,7 @@ from . import ragged
 from .core import (DecodeState, decode_plainly, mask_decisions, prefill_arrivals,
                    run_round)
 from .errors import InternalError, SpecdecError
+from .speculative import TREE_MIN_SCORE
 
 log = logging.getLogger("specdec.scheduler")
 
@@ -97,7 +98,9 @@ class Decisions:
     """A round's decisions that depend on time and clients, not on the requests: which
     waiting requests join (key, request), which end late, which were cancelled; which sit
     the round out (their next mask is still filling), which decode plainly from now on and
-    which are stopped for their grammar's cost (key, error: `core.mask_decisions`); or stop."""
+    which are stopped for their grammar's cost (key, error: `core.mask_decisions`); the
+    round's token-tree branch threshold where it moved (`speculative.TreeCosts`, priced
+    by rank 0's clock; None: the last round's); or stop."""
 
     admit: tuple[tuple[int, Any], ...] = ()
     late: tuple[int, ...] = ()
@@ -105,6 +108,7 @@ class Decisions:
     idle: tuple[int, ...] = ()
     plain: tuple[int, ...] = ()
     over: tuple[tuple[int, SpecdecError], ...] = ()
+    tree_min_score: float | None = None
     stop: bool = False
 
 
@@ -159,6 +163,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._keys = 0
+        # The branch threshold rounds use (`TreeCosts.threshold`, to 3 decimals, so that a
+        # sharded target's rank 0 publishes it only when it moves).
+        self.tree_min_score = TREE_MIN_SCORE
         if thread:
             self._thread = threading.Thread(target=self._loop, name="specdec-scheduler",
                                             daemon=True)
@@ -356,13 +363,17 @@ class Scheduler:
         v = mask_decisions(self.models.masks, [t.state for t in ready.values()])
         idle, plain = [ready[id(s)] for s in v.idle], [ready[id(s)] for s in v.plain]
         over = [(ready[id(s)], e) for s, e in v.over]
+        trees = getattr(self.models, "trees", None)
+        tree = round(trees.threshold(), 3) if trees is not None else TREE_MIN_SCORE
+        moved, self.tree_min_score = tree != self.tree_min_score, tree
         if self.publish is not None:
             self._publish(Decisions(admit=tuple((t.key, t.replica) for t in admitted),
                                     late=tuple(t.key for t in late),
                                     gone=tuple(t.key for t in gone),
                                     idle=tuple(t.key for t in idle),
                                     plain=tuple(t.key for t in plain),
-                                    over=tuple((t.key, e) for t, e in over)))
+                                    over=tuple((t.key, e) for t, e in over),
+                                    tree_min_score=tree if moved else None))
         self.replay(late, gone, idle, plain, over)
 
     def admit(self, ticket: Ticket) -> None:
@@ -375,8 +386,9 @@ class Scheduler:
         """Run one round given its decisions: `late` requests end with DeadlineExceeded,
         `gone` ones (their clients left) are dropped, `over` ones end with their grammar
         budget's error, `plain` ones decode plainly from now on, `idle` ones sit the round
-        out; everything else in the round follows from the requests themselves, so replicas
-        that apply the same decisions run the same forwards."""
+        out; the round's branch threshold is `tree_min_score` (a replica sets it from the
+        leader's `Decisions`); everything else in the round follows from the requests
+        themselves, so replicas that apply the same decisions run the same forwards."""
         for t, e in over:
             if t in self._active:
                 self._finish(t, error=e)
@@ -419,7 +431,7 @@ class Scheduler:
                  and t not in idle]
         if ready:
             t0 = time.perf_counter()
-            run_round(self.models, [t.state for t in ready])
+            run_round(self.models, [t.state for t in ready], self.tree_min_score)
             self.stats.rounds += 1
             self.stats.round_s += time.perf_counter() - t0
             self.stats.batch_rows_sum += len(ready)

@@ -116,3 +116,85 @@ def test_rounds_follow_the_price_and_emit_the_same_tokens():
     assert got == want and st.branched > 0
     got, st = run(dear, SpecConfig(4, tree=8, tree_min_score=0.02))
     assert got == want and st.branched > 0
+
+
+def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
+    """Rank 0 prices branch rows by its clock; a replica replaying its rounds must branch
+    exactly as rank 0 did (else the ranks' forwards differ and their all-sums never meet).
+    Here rank 0's price swings between wide trees and chains round by round, and the
+    replica's own price would give chains only: the replica follows the published
+    threshold, branch for branch, token for token."""
+    from types import SimpleNamespace
+
+    from specdec import distributed
+    from specdec.core import MaskBudget, Models, new_state
+    from specdec.scheduler import Decisions, Scheduler, Ticket
+    from tests.tiny import EOS, WIDTH, tiny_llama
+
+    class Price:
+        def __init__(self, *levels: float) -> None:
+            self.levels, self.calls = levels, 0
+
+        def threshold(self) -> float:
+            self.calls += 1
+            return self.levels[self.calls % len(self.levels)]
+
+        def observe(self, *_: object) -> None:
+            pass
+
+    class Out:
+        def __init__(self) -> None:
+            self.tokens: list[int] = []
+            self.stats = None
+
+        def feed(self, tok: int, _lp: object) -> bool:
+            self.tokens.append(tok)
+            return False
+
+        def finish(self, _why: str, stats: object, _s: float) -> None:
+            self.stats = stats
+
+        def fail(self, e: Exception) -> None:
+            raise AssertionError(e)
+
+    target, draft = tiny_llama(1), tiny_llama(2, head_scale=8)  # an unsure draft: it branches
+    prompts = [[5, 17, 99, 301, 7, 17, 99], [3, 1, 4, 1, 5, 9, 2, 6], [42, 7, 7, 42]]
+    spec = SpecConfig(4, tree=8)
+    budget = MaskBudget(in_round=False)
+
+    def models(price: Price) -> Models:
+        return Models(target, WIDTH, draft, WIDTH, masks=budget, trees=price)
+
+    def start(m: Models):
+        return lambda req: new_state(m, req.prompt, max_tokens=req.max_tokens,
+                                     eos_token_ids=EOS, spec=spec)
+
+    published: list[Decisions] = []
+    lead = models(Price(0.0, 5.0, 0.02))
+    leader = Scheduler(lead, start(lead), max_batch=4, thread=False, publish=published.append)
+    outs = {}
+    for p in prompts:
+        req = SimpleNamespace(prompt=p, prompt_ids=p, max_tokens=20)
+        t = Ticket(req, Out(), replica=req)
+        leader.submit(t)
+        outs[t.key] = t.output
+    while leader.active or leader.queue_depth:
+        assert leader.pump()
+    assert sum(o.stats.branched for o in outs.values()) > 0  # rank 0 branched
+    assert any(d.tree_min_score is not None for d in published[1:])  # and said when
+
+    copies: dict[int, Out] = {}
+
+    def output(req: object, _cb: object) -> Out:
+        copies[len(copies) + 1] = out = Out()
+        return out
+
+    mine = models(Price(5.0))  # this rank's own price: chains only
+    replica = SimpleNamespace(masks=budget, models=mine, new_state=start(mine), kv_store=None,
+                              output=output)
+    sent = iter([*published, Decisions(stop=True)])
+    channel = SimpleNamespace(rank=1, recv=lambda: next(sent))
+    assert distributed.follow(replica, channel, max_batch=4) == 0
+    assert {k: o.tokens for k, o in copies.items()} == {k: o.tokens for k, o in outs.items()}
+    assert ({k: o.stats.branched for k, o in copies.items()}
+            == {k: o.stats.branched for k, o in outs.items()})
