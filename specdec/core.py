@@ -307,26 +307,26 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
 def prefill_arrivals(models: Models, states: Sequence[DecodeState],
                      budget: int = PREFILL_CHUNK, kv_store: PromptKVCache | None = None
                      ) -> None:
-    """Advance arriving requests' prefill, in order: a prompt whose target state is stored is
-    restored (the draft's restored, or prefilled whole); the others take chunks until
-    `budget` tokens in all, prefilled in one ragged target forward (so running requests
-    stall for at most `budget` tokens per round)."""
+    """Advance arriving requests' prefill, in order: an arrival first loads the longest
+    stored target state its prompt starts with (`PromptKVCache.restore_prefix`: the whole
+    prompt, or a shared system prompt or earlier turns; the draft's cache is brought to the
+    same position, from the store or prefilled at once: a draft is the cheap part); the
+    rest takes chunks until `budget` tokens in all, prefilled in one ragged target forward
+    (so running requests stall for at most `budget` tokens per round)."""
     todo: list[tuple[DecodeState, list[TokenId]]] = []
     used = 0
     for s in states:
         if s.to_prefill == 0:
             continue
-        t0 = time.perf_counter()
         head = list(s.prompt[:-1])
         at = len(head) - s.to_prefill
-        if at == 0 and kv_store is not None and kv_store.has(models.target, head):
-            kv_store.restore(models.target, head, s.t_cache)
-            if s.d_cache:  # the draft's too, or prefilled now (a draft is the cheap part)
-                kv_store.prefill(models.draft, head, s.d_cache)
-                mx.eval([c.state for c in s.d_cache])
-            s.to_prefill = 0
+        if at == 0 and kv_store is not None:
+            t0 = time.perf_counter()
+            at = _restore_prefix(models, s, head, kv_store)
+            s.to_prefill = len(head) - at
             s.stats.prefill_s += time.perf_counter() - t0
-            continue
+            if s.to_prefill == 0:
+                continue
         n = min(s.to_prefill, budget - used)
         if n <= 0:
             break
@@ -349,6 +349,23 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
             kv_store.store(models.target, head, s.t_cache)
             if s.d_cache:
                 kv_store.store(models.draft, head, s.d_cache)
+
+
+def _restore_prefix(models: Models, s: DecodeState, head: list[TokenId],
+                    kv_store: PromptKVCache) -> int:
+    """Load the longest stored target state `head` starts with, and bring the draft's cache
+    to the same position; returns that position (0: nothing stored, caches untouched)."""
+    at = kv_store.restore_prefix(models.target, head, s.t_cache,
+                                 trims=ragged.exact_prefix(s.t_cache))
+    if at and s.d_cache:
+        d_at = kv_store.restore_prefix(models.draft, head[:at], s.d_cache,
+                                       trims=ragged.exact_prefix(s.d_cache))
+        if d_at < at:
+            prefill_tokens(models.draft, head[d_at:at], s.d_cache)
+            if at == len(head):  # a whole prompt: stored for the next one as the target's is
+                kv_store.store(models.draft, head, s.d_cache)
+        mx.eval([c.state for c in s.d_cache])
+    return at
 
 
 @dataclass(frozen=True)

@@ -143,11 +143,15 @@ def prefill(model: nn.Module, prompt: Sequence[TokenId], cache: list, chunk: int
     return model(ids[:, last:], cache=cache)[0, -1]  # (V,)
 
 
+PREFIX_MIN = 16  # the least shared prefix a longer stored prompt is cut back to and loaded
+
+
 class PromptKVCache:
     """LRU of prefilled prompts: (model, token ids) → KV state and last-position logits.
 
-    Repeated prompts (a shared system prompt, retries, the same request plain and
-    speculative) skip their prefill. A restored state is bit-identical to recomputing it, so
+    Repeated prompts (retries, the same request plain and speculative) skip their prefill;
+    prompts that share a prefix with a stored one (a system prompt, a conversation's earlier
+    turns) skip that much of it (`restore_prefix`). A restored state is bit-identical to recomputing it, so
     outputs do not change. Not thread-safe: owned by the engine's decode thread.
 
     Bounded in entries (`capacity`; a speculative request stores two: target and draft) and
@@ -194,6 +198,38 @@ class PromptKVCache:
             c.state = _copy_state(state)
         return True
 
+    def restore_prefix(self, model: nn.Module, prompt: Sequence[TokenId], cache: list,
+                       trims: bool, least: int = PREFIX_MIN) -> int:
+        """Load the stored state of `model` that shares the longest prefix with `prompt` into
+        `cache`, cut to that prefix; returns its length in positions (0: nothing loaded).
+
+        A stored prompt that is `prompt` or a prefix of it loads whole (any cache). One that
+        goes on past the shared part (a conversation's earlier turn with its own last
+        message, another user message after the same system prompt) loads only where
+        `trims` (every cache holds plain per-position keys and values: `ragged.exact_prefix`)
+        and the shared part is at least `least` tokens. Positions are computed alike
+        whatever the chunking on the batch-invariant BLAS, so what follows is unchanged."""
+        p = tuple(prompt)
+        best, key = 0, None
+        for k, (m, _, _) in self._entries.items():
+            if k[0] != id(model) or m is not model:
+                continue
+            n = _shared(p, k[1])
+            if n < len(k[1]) and (not trims or n < least):
+                continue
+            if n > best:
+                best, key = n, k
+        if key is None:
+            return 0
+        self._entries.move_to_end(key)
+        self.hits += 1
+        states = self._entries[key][1]
+        for c, state in zip(cache, states):
+            c.state = _copy_state(_cut(c, state, best) if best < len(key[1]) else state)
+            if c.offset > best:  # a cache kept the whole state: drop what is not shared
+                c.trim(c.offset - best)
+        return best
+
     def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> None:
         """Keep a copy of `cache` (which holds exactly `prompt`) for later requests."""
         self._put((id(model), tuple(prompt)), model, cache, None)
@@ -212,6 +248,33 @@ class PromptKVCache:
             while self._entries and (len(self._entries) > self.capacity
                                      or self.nbytes > self.max_bytes):
                 self.nbytes -= _entry_bytes(self._entries.popitem(last=False)[1])
+
+
+def _shared(a: tuple, b: tuple) -> int:
+    """Length of the longest common prefix of two token tuples (slices compared in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _cut(cache: Any, state: Any, n: int) -> Any:
+    """A stored cache state cut to its first n positions, where the cache's state is keys and
+    values by position (mlx-lm's KVCache, a slab slot's (keys, values, offset)); other
+    states whole (the caller trims the cache after loading them)."""
+    if isinstance(state, tuple) and len(state) == 3 and isinstance(state[2], int):
+        return state[0], state[1], n  # a slab slot writes the first `offset` positions
+    if isinstance(state, tuple) and len(state) == 2 and all(isinstance(a, mx.array)
+                                                           for a in state):
+        return state[0][..., :n, :], state[1][..., :n, :]
+    return state
 
 
 def _entry_bytes(entry: tuple) -> int:

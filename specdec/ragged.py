@@ -546,6 +546,14 @@ def untrimmable(cache: list, horizon: int) -> str | None:
     return None
 
 
+def exact_prefix(cache: list) -> bool:
+    """Whether every layer of `cache` holds plain per-position keys and values, so a state
+    cut back to its first n positions is exactly the state of those n tokens (a stored
+    prompt's shared prefix, `PromptKVCache.restore_prefix`)."""
+    return all(isinstance(c, (SlotCache, QuantizedKVCache)) or type(c) is KVCache
+               for c in cache)
+
+
 def slab_of(model: nn.Module) -> Slab | None:
     """The model's slab, when one was made (for metrics and tests)."""
     model = _base(model)

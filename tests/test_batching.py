@@ -326,6 +326,50 @@ def test_chunked_prefill_from_any_store_state_equals_decoding_alone(models, comp
     assert (out, s.finish) == want
 
 
+@pytest.mark.parametrize("stored", ["a longer prompt, both models", "a prefix, target only",
+                                    "too little shared"])
+def test_an_arrival_loads_the_longest_stored_prefix_and_decodes_as_alone(models, compiler,
+                                                                          prompt, stored):
+    # A shared system prompt or a conversation's earlier turns: the store holds another
+    # prompt that starts as this one does. Its state, cut back to what is shared, is loaded
+    # (the draft's brought to the same position), the rest prefilled in chunks, and the
+    # request decodes exactly as alone.
+    from specdec.core import prefill_arrivals
+    from specdec.decode import PREFIX_MIN, PromptKVCache
+
+    rng = random.Random(5)
+    r = _request(rng, compiler, prompt, "greedy")
+    r["spec"] = SpecConfig(4)  # uses the draft: two caches to bring to the shared position
+    shared = list(prompt) + [rng.randrange(300, 9000) for _ in range(PREFIX_MIN + 4)]
+    r["prompt"] = shared + [rng.randrange(300, 9000) for _ in range(7)]
+    head = r["prompt"][:-1]
+    want = _alone(models, compiler, r)
+    if stored == "too little shared":
+        shared = shared[:PREFIX_MIN - 1]
+    other = dict(r, prompt=(shared + [5, 6, 7, 8, 9] if stored != "a prefix, target only"
+                            else shared + [head[len(shared)]]))
+    seed = _state(models, compiler, other)
+    prefill(models, seed)  # the other prompt's caches hold its prompt but the last token
+    kv = PromptKVCache()
+    kv.store(models.target, other["prompt"][:-1], seed.t_cache)
+    if stored.endswith("both models"):
+        kv.store(models.draft, other["prompt"][:-1], seed.d_cache)
+    loaded = len(shared) if stored != "too little shared" else 0
+    s = _state(models, compiler, r)
+    prefill_arrivals(models, [s], 3, kv)
+    assert [s.t_cache[0].offset, s.d_cache[0].offset] == [loaded + 3] * 2
+    chunks = 1
+    while s.to_prefill:
+        prefill_arrivals(models, [s], 3, kv)
+        chunks += 1
+    assert chunks == -(-(len(head) - loaded) // 3)
+    out = []
+    while not s.done:
+        run_round(models, [s])
+        out += s.new_tokens
+    assert (out, s.finish) == want
+
+
 def test_arrivals_prefilled_together_equal_each_prefilled_alone(models, compiler, prompt):
     # Several arrivals share one prefill forward per round (a token budget in all); each
     # cache ends holding exactly its prompt and each request decodes as it does alone.
