@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import statistics
 import time
 
@@ -59,3 +60,41 @@ def test_compile_and_ttft_unique_vs_cached(benchmark, engine):
     benchmark.pedantic(pair, rounds=8, iterations=1)
     results.add("ttft_unique_over_cached", statistics.median(ratios), "ratio",
                 "time to first token, unique schema vs cached, same prompt, median of 8 pairs")
+
+
+def test_ttft_with_a_stored_earlier_turn_vs_cold(benchmark, engine):
+    """A conversation's next turn: its prompt starts with the previous turn's, which the
+    store holds (`PromptKVCache.restore_prefix`), vs the same kind of prompt with the store
+    empty. Every prompt is new (its last message numbered), so no whole prompt is reused."""
+    case = CASES[0]
+    first = [*case.messages(), {"role": "assistant", "content": "Here is the JSON you asked "
+                                "for, with every field filled in from the text above."}]
+    count = itertools.count()
+
+    def turn() -> list[int]:
+        msgs = [*first, {"role": "user", "content": f"Now the same for entry {next(count)}, "
+                                                     "please."}]
+        return engine.chat_prompt(msgs, constrained=True)
+
+    c = Constraint.json_schema(case.value)
+    head = engine.chat_prompt(first[:-1], constrained=True)
+    ratios, shared = [], []
+
+    def pair() -> None:
+        out = {}
+        for arm in (("warm", "cold") if len(ratios) % 2 else ("cold", "warm")):
+            engine.kv_store.clear()
+            if arm == "warm":  # the previous turn was answered: its prompt is stored
+                ttft(engine, head, c)
+            ids = turn()
+            if arm == "warm":
+                shared.append(len(os.path.commonprefix([ids, head])))
+            out[arm] = ttft(engine, ids, c)
+        ratios.append(out["warm"] / out["cold"])
+
+    ttft(engine, turn(), c)  # warm the grammar
+    benchmark.pedantic(pair, rounds=8, iterations=1)
+    results.add("ttft_earlier_turn_stored_over_cold", statistics.median(ratios), "ratio",
+                f"time to first token of a next turn ({len(turn())} tokens, "
+                f"{statistics.median(shared)} shared with the stored turn) vs the store "
+                "empty, median of 8 pairs")

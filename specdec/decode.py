@@ -225,10 +225,18 @@ class PromptKVCache:
         self.hits += 1
         states = self._entries[key][1]
         for c, state in zip(cache, states):
-            c.state = _copy_state(_cut(c, state, best) if best < len(key[1]) else state)
-            if c.offset > best:  # a cache kept the whole state: drop what is not shared
+            if best == len(key[1]):  # the stored prompt whole (recurrent state too)
+                c.state = _copy_state(state)
+                continue
+            c.state = _copy_state(_cut(state, best))
+            if c.offset > best:  # a cache that kept the whole state: drop what is not shared
                 c.trim(c.offset - best)
         return best
+
+    def clear(self) -> None:
+        """Forget every stored state."""
+        self._entries.clear()
+        self.nbytes = 0
 
     def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> None:
         """Keep a copy of `cache` (which holds exactly `prompt`) for later requests."""
@@ -265,7 +273,7 @@ def _shared(a: tuple, b: tuple) -> int:
     return lo
 
 
-def _cut(cache: Any, state: Any, n: int) -> Any:
+def _cut(state: Any, n: int) -> Any:
     """A stored cache state cut to its first n positions, where the cache's state is keys and
     values by position (mlx-lm's KVCache, a slab slot's (keys, values, offset)); other
     states whole (the caller trims the cache after loading them)."""

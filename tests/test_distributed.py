@@ -127,8 +127,11 @@ def test_a_killed_rank_fails_the_request_and_the_launcher(dirs):
     target_dir, draft_dir = dirs
     s = launched(target_dir, draft_dir)
     try:
-        m = re.search(r"rank 1 \(pid (\d+)\) following", s.log())
-        assert m, s.log()[-2000:]
+        # Rank 0 answers /health first; rank 1 says it follows once it has loaded too.
+        deadline = time.time() + 120
+        while not (m := re.search(r"rank 1 \(pid (\d+)\) following", s.log())):
+            assert time.time() < deadline and s.proc.poll() is None, s.log()[-2000:]
+            time.sleep(0.2)
         result: dict = {}
 
         def long_request() -> None:
