@@ -153,7 +153,9 @@ class RequestStream:
     Iterate it (blocking) or `async for` it on the event loop it was bound to (`bind`,
     before submitting). `cancel()` stops the request within one round (a client that left;
     the stream then ends with `Failed`). A stream with `pump` (a scheduler without a thread
-    of its own) runs rounds on the iterating thread until its next event is in.
+    of its own) runs rounds on the iterating thread until its next event is in. Once its
+    last event was read (or its reader stopped early and the rest was drained), iterating
+    it again yields nothing.
     """
 
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -161,6 +163,7 @@ class RequestStream:
     _loop: asyncio.AbstractEventLoop | None = None
     _aq: asyncio.Queue | None = None
     pump: Callable[[], bool] | None = None
+    ended: bool = False  # its Finished or Failed was read
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> "RequestStream":
         self._loop, self._aq = loop, asyncio.Queue()
@@ -180,17 +183,19 @@ class RequestStream:
         self.cancelled.set()
 
     def __iter__(self) -> Iterator[Event]:
-        ended = False
+        if self.ended:
+            return
         try:
             for ev in self._events():
-                ended = isinstance(ev, (Finished, Failed))
+                self.ended = isinstance(ev, (Finished, Failed))
                 yield ev
         finally:
-            if not ended:  # the caller stopped reading: stop the request too
+            if not self.ended:  # the caller stopped reading: stop the request too
                 self.cancel()
                 if self.pump is not None:  # no thread will: the next round drops it
                     for ev in self._events():
                         if isinstance(ev, (Finished, Failed)):
+                            self.ended = True
                             break
 
     def _events(self) -> Iterator[Event]:

@@ -268,3 +268,22 @@ def test_a_stopped_scheduler_ends_every_stream_and_the_engine_decodes_inline_aga
     for _ in early:  # a reader that stops early cancels its request
         break
     assert early.cancelled.is_set() and engine._inline.active == 0  # dropped, slots freed
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "scheduler thread"])
+def test_a_stream_read_again_after_its_end_yields_nothing_and_returns(engine, threaded):
+    # A reader that took the first event and stopped (the request is cancelled and, inline,
+    # drained to its end), then iterates again: the rest or nothing, never a wait or a spin.
+    req = engine.prepare(GenerateRequest(messages=(Message("user", "Count to ten."),),
+                                         max_tokens=8, sampling=SamplingParams()))
+    if threaded:
+        engine.start()
+    try:
+        stream = engine.submit(req)
+        next(iter(stream))
+        rest = list(stream)
+        assert not rest or isinstance(rest[-1], (Finished, Failed))
+        assert list(stream) == [] and stream.ended
+    finally:
+        engine.close()
