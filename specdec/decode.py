@@ -151,8 +151,8 @@ class PromptKVCache:
 
     Repeated prompts (retries, the same request plain and speculative) skip their prefill;
     prompts that share a prefix with a stored one (a system prompt, a conversation's earlier
-    turns) skip that much of it (`restore_prefix`). A restored state is bit-identical to recomputing it, so
-    outputs do not change. Not thread-safe: owned by the engine's decode thread.
+    turns) skip that much of it (`restore_prefix`). A restored state is bit-identical to
+    recomputing it, so outputs do not change. Not thread-safe: owned by the engine's decode thread.
 
     Bounded in entries (`capacity`; a speculative request stores two: target and draft) and
     in bytes (`max_bytes`, the stored arrays); least recently used entries go first.
@@ -186,17 +186,6 @@ class PromptKVCache:
         """Whether a state for (model, prompt) is stored."""
         entry = self._entries.get((id(model), tuple(prompt)))
         return entry is not None and entry[0] is model
-
-    def restore(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> bool:
-        """Load a stored state for (model, prompt) into `cache`; False when there is none."""
-        entry = self._entries.get((id(model), tuple(prompt)))
-        if entry is None or entry[0] is not model:
-            return False
-        self._entries.move_to_end((id(model), tuple(prompt)))
-        self.hits += 1
-        for c, state in zip(cache, entry[1]):
-            c.state = _copy_state(state)
-        return True
 
     def restore_prefix(self, model: nn.Module, prompt: Sequence[TokenId], cache: list,
                        trims: bool, least: int = PREFIX_MIN) -> int:
