@@ -1,7 +1,12 @@
 """OpenAI Chat Completions (`POST /v1/chat/completions`) and Completions
-(`POST /v1/completions`): bodies parsed by `chat_wire`'s models and turned into the neutral
-request by `protocol`, events turned into OpenAI's
+(`POST /v1/completions`): bodies parsed by `chat_wire`'s models (the only parser) -> the
+neutral `GenerateRequest` (`to_request`) -> the engine's events -> OpenAI's
 `chat.completion` / `text_completion` objects or their SSE chunks.
+
+The request: what one field's type cannot say is checked here: fields the models do not
+name (`chat_wire.CHAT_UNMODELED`, every API's policy), one constraint at most (response_format,
+vLLM's `structured_outputs` or its older `guided_*` fields), thinking asked for and turned off
+at once.
 
 Streaming: a first chunk with the role, then one chunk per event (`reasoning_content`,
 `content` or `tool_calls` deltas, each with the logprobs of the tokens behind it), a chunk
@@ -21,12 +26,15 @@ from fastapi.responses import JSONResponse
 from specdec.errors import SpecdecError
 from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
                             ToolCallDelta)
+from specdec.grammar import Constraint
+from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
+from specdec.sampling import SamplingError, SamplingParams
 
-from .door import Door, Run, RunResponse, extension, sse, warning_header
-from .errors import openai_body, openai_response
-from .chat_wire import (CHAT_RESPONSES, COMPLETION_RESPONSES, ChatCompletionRequest,
-                        CompletionRequest)
-from .protocol import Body, to_chat, to_completion
+from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
+                        COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
+                        CompletionRequest, TextPart, ToolResult, _Sampling)
+from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
+from .errors import bad_request, openai_body, openai_response, wire_param
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
 REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
@@ -37,8 +45,181 @@ PARAMS = {"messages": "messages[]", "constraint": "response_format",
           "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
 COMPLETION_PARAMS = {**PARAMS, "messages": "prompt", "constraint": "structured_outputs",
                      "logprobs": "logprobs"}
+Body = ChatCompletionRequest | CompletionRequest
 
 
+# -- wire body -> the neutral request ---------------------------------------------------------
+# vLLM's older structured-output fields, mapped onto `structured_outputs`' kinds.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar",
+                    "choice": "choice", "json_object": "json_object"}
+SWITCHES = ("enable_thinking", "thinking", "reasoning")  # chat_template_kwargs that think
+
+
+def constraint_of(body: _Sampling) -> Constraint | None:
+    """`response_format` (chat), vLLM's `structured_outputs` or its older `guided_*` fields
+    → the constraint (at most one). `json_schema.strict: true` compiles strictly
+    (unsupported keywords are a 400); otherwise leniently, with warnings."""
+    found: list[Constraint] = []
+    rf = getattr(body, "response_format", None)
+    if rf is not None:
+        if rf.type != "json_schema" and rf.json_schema is not None:
+            raise bad_request(f"response_format.json_schema is for type 'json_schema', not "
+                              f"{rf.type!r}: drop it or set the type",
+                              "response_format.json_schema")
+        if rf.type == "json_object":
+            found.append(Constraint.json_object())
+        elif rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise bad_request("response_format.json_schema must be an object with a "
+                                  "'schema'", "response_format.json_schema")
+            found.append(Constraint.json_schema(rf.json_schema.schema_,
+                                                lenient=not rf.json_schema.strict))
+    guided = [k for k in GUIDED if getattr(body, k) is not None]
+    so = body.structured_outputs
+    kinds = {k: v for k, v in (so.model_dump(by_alias=True) if so else {}).items()
+             if v not in (None, False)}
+    given = len(kinds) + len(guided)
+    kinds.update({GUIDED[k]: getattr(body, k) for k in guided})
+    if given > 1:
+        raise bad_request(f"structured_outputs has {sorted(kinds)}: give exactly one kind",
+                          guided[0] if guided else "structured_outputs")
+    for k, v in kinds.items():
+        found.append(Constraint.json_schema(v, lenient=True) if k == "json" else
+                     Constraint(STRUCTURED_KINDS[k],  # type: ignore[arg-type]
+                                None if k == "json_object" else v))
+    if len(found) > 1:
+        raise bad_request("give either response_format or structured_outputs, not both",
+                          "structured_outputs")
+    return found[0] if found else None
+
+
+def sampling_of(body: _Sampling) -> SamplingParams:
+    """Temperature defaults to 1, as OpenAI's does."""
+    bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
+    twice = next((t for (t, _), (u, _) in zip(bias, bias[1:]) if t == u), None)
+    if twice is not None:
+        raise bad_request(f"logit_bias names token {twice} twice (its keys are token ids)",
+                          "logit_bias")
+    try:
+        return SamplingParams(1.0 if body.temperature is None else body.temperature,
+                              1.0 if body.top_p is None else body.top_p, body.top_k or 0,
+                              body.seed, bias)
+    except SamplingError as e:
+        raise bad_request(str(e), wire_param(e, {})) from e
+
+
+def tools_of(body: ChatCompletionRequest) -> tuple[tuple[Tool, ...], ToolChoice]:
+    """`tools` + `tool_choice` → (the tools, the neutral choice: "auto" when tools are given
+    without one). The engine decides what each choice means (`Engine.prepare`)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs a non-empty 'tools' list", "tools")
+        return (), "none"
+    tools = tuple(Tool(t.function.name, t.function.description, strict=t.function.strict is True,
+                       **({"parameters": t.function.parameters}
+                          if t.function.parameters is not None else {}))
+                  for t in body.tools)
+    if choice is None:
+        return tools, "auto"
+    return tools, choice if isinstance(choice, str) else NamedTool(choice.function.name)
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content or ())
+
+
+def messages_of(body: ChatCompletionRequest) -> tuple[Message, ...]:
+    """The conversation: content as text (parts joined; an assistant's null is ""),
+    developer as system, an assistant's `tool_calls` and `tool` results as the turns' calls
+    and results (the engine decides whether it can render them)."""
+    out = []
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role
+        calls: tuple[ToolCall, ...] = ()
+        reasoning = call_id = None
+        if isinstance(m, AssistantTurn):
+            calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments)
+                          for c in m.tool_calls or ())
+            extra = m.model_extra or {}  # vLLM's name, then the newer one
+            r = extra.get("reasoning_content", extra.get("reasoning"))
+            reasoning = r if isinstance(r, str) else None
+        if isinstance(m, ToolResult):
+            call_id = m.tool_call_id
+        out.append(Message(role, _text(m.content), reasoning, calls, call_id,  # type: ignore
+                           m.name if not isinstance(m, ToolResult) else None))
+    return tuple(out)
+
+
+def _common(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+    """The request fields chat and completions share."""
+    return {"constraint": constraint_of(body), "sampling": sampling_of(body),
+            "max_tokens": max_tokens, "stop": (body.stop,) if isinstance(body.stop, str)
+            else tuple(body.stop or ()), "spec": spec_overrides(
+                body.num_draft_tokens, body.draft_masking, body.prompt_lookup)}
+
+
+def to_request(body: ChatCompletionRequest | CompletionRequest) -> GenerateRequest:
+    """A parsed /v1/chat/completions or /v1/completions body as the neutral request.
+
+    Raises:
+        WireError: 400 naming the offending field (an unmodeled one: `CHAT_UNMODELED`,
+            `COMPLETION_UNMODELED`).
+    """
+    if isinstance(body, CompletionRequest):
+        return _completion_request(body)
+    CHAT_UNMODELED.refuse(body)
+    fields = _common(body, body.max_completion_tokens or body.max_tokens)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort, budget = body.reasoning_effort, body.max_thinking_tokens
+    asked = [k for k in SWITCHES if kwargs.get(k)]
+    off = effort == "none" or any(kwargs.get(k) is False for k in SWITCHES)
+    thinking = bool(asked) or effort not in (None, "none") or budget is not None
+    if thinking and off:
+        raise bad_request("the request both asks for thinking and turns it off "
+                          "(reasoning_effort 'none' or a false chat_template_kwargs switch)",
+                          "reasoning_effort" if effort is not None else "chat_template_kwargs")
+    if thinking:
+        kwargs = {k: v for k, v in kwargs.items() if k not in asked}
+    tools, choice = tools_of(body)
+    return GenerateRequest(
+        messages=messages_of(body), tools=tools, tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        template_kwargs=kwargs, thinking=thinking, thinking_budget=budget,
+        reasoning_effort=effort if effort not in (None, "none") else None, **fields)
+
+
+def _completion_request(body: CompletionRequest) -> GenerateRequest:
+    """One prompt (text or token ids) as the neutral request."""
+    COMPLETION_UNMODELED.refuse(body)
+    fields = _common(body, body.max_tokens)
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    return GenerateRequest(prompt=prompt if isinstance(prompt, str) else tuple(prompt),
+                           logprobs=body.logprobs, **fields)
+
+
+def params_of(body: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
+    """The engine's field names -> this body's (chat's `max_completion_tokens`, when given,
+    for max_tokens)."""
+    if isinstance(body, CompletionRequest):
+        return COMPLETION_PARAMS
+    return {**PARAMS, **({"max_tokens": "max_completion_tokens"}
+                         if body.max_completion_tokens else {})}
+
+
+def include_usage(body: _Sampling) -> bool:
+    so = body.stream_options
+    return bool(so is not None and so.include_usage)
+
+
+# -- events -> the wire -----------------------------------------------------------------------
 def error(e: SpecdecError) -> JSONResponse:
     return openai_response(e, PARAMS)
 
@@ -48,28 +229,31 @@ def router(door: Door) -> APIRouter:
 
     @r.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat(request: Request) -> Any:
-        body = to_chat(await door.parse(request, ChatCompletionRequest))
+        body = await door.parse(request, ChatCompletionRequest)
+        greq = to_request(body)
         try:
-            return await _serve(door, request, body, True)
+            return await _serve(door, request, body, greq)
         except SpecdecError as e:  # in the body's own field names
             door.metrics.add(request_errors_total=1)
-            return openai_response(e, {**PARAMS, **body.params})
+            return openai_response(e, params_of(body))
 
     @r.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(request: Request) -> Any:
-        body = to_completion(await door.parse(request, CompletionRequest))
+        body = await door.parse(request, CompletionRequest)
+        greq = to_request(body)
         try:
-            return await _serve(door, request, body, False)
+            return await _serve(door, request, body, greq)
         except SpecdecError as e:  # in this API's own field names
             door.metrics.add(request_errors_total=1)
-            return openai_response(e, COMPLETION_PARAMS)
+            return openai_response(e, params_of(body))
 
     return r
 
 
-async def _serve(door: Door, http: Request, body: Body, chat: bool) -> Any:
+async def _serve(door: Door, http: Request, body: Body, greq: GenerateRequest) -> Any:
+    chat = isinstance(body, ChatCompletionRequest)
     door.check_model(body.model)
-    run = await door.open(body.request, http)
+    run = await door.open(greq, http)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     headers = warning_header(run.request.warnings)
     if body.stream:
@@ -171,7 +355,7 @@ async def _chunks(door: Door, run: Run, body: Body, rid: str, chat: bool
             yield sse(None, openai_body(ev.error, PARAMS if chat else COMPLETION_PARAMS))
         else:
             yield chunk(None, ev.finish_reason)
-            if body.include_usage:
+            if include_usage(body):
                 yield sse(None, {"id": rid, "object": obj, "created": run.created,
                                  "model": door.model_name, "choices": [],
                                  "usage": usage_of(ev),

@@ -11,12 +11,14 @@ compiled strictly; the older beta's top-level `output_format` is taken too. Samp
 
 Accepted and ignored (they do not change the output here): `metadata`, `service_tier`,
 `speed`, `inference_geo`, `cache_control` (top level, blocks, tools), `container`,
-`diagnostics`, `user_profile_id`, `workspace_id`, a tool's `eager_input_streaming`, text
-blocks' `citations`, `tool_result.is_error`, thinking blocks' `signature`, `display:
-"summarized"`; the `anthropic-version` / `anthropic-beta` headers. Any other field is a 400
-naming it. Refused with a 400: blocks other than text / tool_use / tool_result / thinking
-(`redacted_thinking`, images, documents, server-tool blocks), server tools, a trailing
-assistant turn (prefill), `thinking: {"type": "between_tools"}`.
+`diagnostics`, `user_profile_id`, `workspace_id` (`messages_wire.IGNORED`), a tool's
+`eager_input_streaming`, text blocks' `citations`, `tool_result.is_error`, thinking blocks'
+`signature`, `display: "summarized"`; the `anthropic-version` / `anthropic-beta` headers.
+`context_management` and `mcp_servers` are refused unless given their no-op value; any
+other field is a 400 naming it (`door.Unmodeled`, every API's policy). Refused with a 400:
+blocks other than text / tool_use / tool_result / thinking (`redacted_thinking`, images,
+documents, server-tool blocks), server tools, a trailing assistant turn (prefill),
+`thinking: {"type": "between_tools"}`.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from specdec.sampling import SamplingParams
 
 from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
 from .errors import anthropic_body, anthropic_response, bad_request
-from .messages_wire import (CountTokensBody, MessagesBody, OutputConfig, TextBlock,
-                            ThinkingBlock, ToolResultBlock, ToolUseBlock)
+from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
+                            TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
 
 PREFIX = "/v1/messages"
 # The engine's neutral parameter names -> this API's.
@@ -106,8 +108,10 @@ def prompt_request(body: CountTokensBody) -> GenerateRequest:
     """What makes the prompt and constrains the output (all count_tokens takes).
 
     Raises:
-        WireError: 400 for what this server does not do (prefill, both output formats).
+        WireError: 400 for what this server does not do (a field it does not take, prefill,
+            both output formats).
     """
+    UNMODELED.refuse(body)
     if body.messages[-1].role == "assistant":
         raise bad_request("messages: the last turn is the assistant's (prefill), which this "
                           "server does not continue; end with a user turn", "messages",
@@ -290,8 +294,9 @@ def router(door: Door) -> APIRouter:
     @r.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: HTTPRequest) -> Response:
         body = await door.parse(http, MessagesBody)
+        greq = to_request(body)
         door.check_model(body.model)
-        run = await door.open(to_request(body), http)
+        run = await door.open(greq, http)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         blocks = Blocks(omit_thinking=body.thinking is not None
                         and body.thinking.display == "omitted")
@@ -311,8 +316,9 @@ def router(door: Door) -> APIRouter:
     @r.post(PREFIX + "/count_tokens", responses={c: _ERROR for c in (400, 401, 404, 413)})
     async def count_tokens(http: HTTPRequest) -> dict[str, int]:
         body = await door.parse(http, CountTokensBody, admit=False)  # nothing is queued
+        greq = prompt_request(body)
         door.check_model(body.model)
-        req = await door.prepare(prompt_request(body))
+        req = await door.prepare(greq)
         return {"input_tokens": len(req.prompt_ids)}
 
     return r

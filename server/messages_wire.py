@@ -1,7 +1,10 @@
 """Anthropic Messages' request bodies as pydantic models: the only parser of
 `/v1/messages` and `/v1/messages/count_tokens` (`messages` turns them into the neutral
-request). They follow the `anthropic` SDK's shapes (2.15); unknown fields are a 400 naming
-them, the ones the official API takes that do not change the output are accepted.
+request). They follow the `anthropic` SDK's shapes (2.15). A body's fields the models do not
+name follow every API's policy (`door.Unmodeled`): those the official API takes that do
+not change the output are accepted and ignored (`IGNORED`), those that would are refused
+unless given their no-op value (`NOOP`), any other is a 400 naming it; a block's, a turn's
+or a tool's unknown fields are refused by the models themselves.
 """
 
 from __future__ import annotations
@@ -12,10 +15,18 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .door import Float, Int, within_context
+from .door import Float, Int, Unmodeled, within_context
 
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
           "system": ("text",)}
+# A body's fields beyond the models': accepted and ignored (they do not change the output
+# here), or refused unless given their no-op value.
+IGNORED = frozenset({"metadata", "cache_control", "container", "diagnostics", "inference_geo",
+                     "service_tier", "speed", "user_profile_id", "workspace_id"})
+NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
+    "context_management": ((None,), "context editing is not implemented"),
+    "mcp_servers": ((None, []), "MCP servers are not available here")}
+UNMODELED = Unmodeled(IGNORED, NOOP)
 
 
 # -- the wire: requests -----------------------------------------------------------------------
@@ -133,8 +144,10 @@ class OutputConfig(_Strict):
 
 
 class CountTokensBody(_Strict):
-    """What a prompt is made of: `POST /v1/messages/count_tokens`."""
+    """What a prompt is made of: `POST /v1/messages/count_tokens` (fields beyond the model's
+    are checked by `UNMODELED` after parsing)."""
 
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=UNMODELED.document)
     model: str
     messages: Annotated[list[Turn], within_context("turns")] = Field(min_length=1,
                                                                       fail_fast=True)
@@ -144,16 +157,6 @@ class CountTokensBody(_Strict):
     thinking: ThinkingIn | None = None
     output_config: OutputConfig | None = None
     output_format: JSONFormat | None = None  # the structured-outputs beta's spelling
-    # accepted, ignored: they do not change the output here
-    metadata: Any = None
-    cache_control: Any = None
-    container: Any = None
-    diagnostics: Any = None
-    inference_geo: str | None = None
-    service_tier: str | None = None
-    speed: str | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
 
 
 class MessagesBody(CountTokensBody):

@@ -17,16 +17,16 @@ Accepted and ignored (they do not change the output): metadata (echoed), user,
 service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention,
 prompt_cache_options, stream_options, background_options, max_tool_calls (built-in tools
 only), image, access_programs, reasoning.summary and generate_summary (the reasoning comes
-whole, as `reasoning_text`), and input items' ids, statuses and annotations. `NOOP` lists
-the fields refused unless given their no-op value; any other unknown field is a 400 naming
-it. Our extensions: seed, top_k, num_draft_tokens, draft_masking, prompt_lookup,
-max_thinking_tokens, chat_template_kwargs.
+whole, as `reasoning_text`), and input items' ids, statuses and annotations.
+`responses_wire.NOOP` lists the fields refused unless given their no-op value; any other
+unknown field is a 400 naming it (`door.Unmodeled`, every API's policy). Our extensions:
+seed, top_k, num_draft_tokens, draft_masking, prompt_lookup, max_thinking_tokens,
+chat_template_kwargs.
 """
 
 from __future__ import annotations
 
 import copy
-import reprlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,7 +46,7 @@ from specdec.sampling import SamplingParams
 from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
 from .errors import bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES
-from .responses_wire import (FunctionChoice, IGNORED, NEEDS, NOOP, ResponsesRequest)
+from .responses_wire import FunctionChoice, NEEDS, UNMODELED, ResponsesRequest
 
 PREFIX = "/v1/responses"
 PARAMS = {"messages": "input", "constraint": "text.format", "max_tokens": "max_output_tokens",
@@ -68,19 +68,6 @@ def _lp(kind: str) -> dict[str, Any]:
 
 
 REQUEST_BODIES = {PREFIX: ResponsesRequest}
-
-
-def refuse_unsupported(body: ResponsesRequest) -> None:
-    """A 400 naming the first field that this server would otherwise silently ignore."""
-    for name, v in (body.model_extra or {}).items():
-        if name in IGNORED:
-            continue
-        if name not in NOOP:
-            raise bad_request(f"unknown parameter {name!r}", name, "unsupported_parameter")
-        noop, why = NOOP[name]
-        if not any(v is n or (type(v) is type(n) and v == n) for n in noop):
-            raise bad_request(f"{name}={reprlib.repr(v)} is not supported: {why}", name,
-                              "unsupported_parameter")
 
 
 def messages(body: ResponsesRequest) -> tuple[Message, ...]:
@@ -114,8 +101,14 @@ def messages(body: ResponsesRequest) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def generate_request(body: ResponsesRequest) -> GenerateRequest:
-    """The protocol-neutral request (temperature defaults to 1, as OpenAI's does)."""
+def to_request(body: ResponsesRequest) -> GenerateRequest:
+    """A parsed /v1/responses body as the neutral request (temperature defaults to 1, as
+    OpenAI's does).
+
+    Raises:
+        WireError: 400 naming the offending field (an unmodeled one: `UNMODELED`).
+    """
+    UNMODELED.refuse(body)
     fmt, constraint = body.text.format if body.text else None, None
     if fmt is not None and fmt.type == "json_object":
         constraint = Constraint.json_object()
@@ -286,9 +279,9 @@ def router(door: Door) -> APIRouter:
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: Request) -> Any:
         body = await door.parse(http, ResponsesRequest)
-        refuse_unsupported(body)
+        greq = to_request(body)
         door.check_model(body.model)
-        run = await door.open(generate_request(body), http)
+        run = await door.open(greq, http)
         w = Writer(head(body, run, door.model_name), run)
         headers = warning_header(run.request.warnings)
         if body.stream:

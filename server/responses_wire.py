@@ -1,6 +1,7 @@
 """OpenAI Responses' request body as pydantic models: the only parser of `/v1/responses`
 (`responses` turns it into the neutral request), following the `openai` SDK's types; and
-the official fields this server refuses unless given their no-op value, or ignores.
+the fields the model does not name: those this server ignores, or refuses unless given
+their no-op value (`UNMODELED`, the policy every API follows: `door.Unmodeled`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchem
 from pydantic import GetJsonSchemaHandler
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
-from .door import Float, Int, within_context
+from .door import Float, Int, Unmodeled, within_context
 
 STATELESS = "this server is stateless: responses are not stored"
 # Official fields that would change the output: their no-op values, and why others are refused.
@@ -30,6 +31,7 @@ NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
 IGNORED = frozenset({"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
                      "prompt_cache_retention", "prompt_cache_options", "stream_options",
                      "background_options", "image", "access_programs"})
+UNMODELED = Unmodeled(IGNORED, NOOP)
 FAIL_FAST = Field(fail_fast=True)  # a long list's first bad item is its error, not every one
 
 
@@ -131,15 +133,6 @@ class ReasoningConfig(_Wire):
     summary: str | None = None
 
 
-def _other_fields(schema: dict[str, Any]) -> None:
-    """The document names the fields taken beyond the model's, and no others."""
-    props = schema["properties"]
-    props.update({k: {"description": "accepted and ignored"} for k in sorted(IGNORED)})
-    props.update({k: {"description": f"refused unless one of {list(noop)}: {why}"}
-                  for k, (noop, why) in NOOP.items()})
-    schema["additionalProperties"] = False
-
-
 def _turns(items: list[Any]) -> int:
     """Input items that cost a token each at least (a reasoning item joins the next
     assistant turn, and a template may drop it)."""
@@ -149,7 +142,7 @@ def _turns(items: list[Any]) -> int:
 class ResponsesRequest(_Wire):
     """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
 
-    model_config = ConfigDict(extra="allow", json_schema_extra=_other_fields)
+    model_config = ConfigDict(extra="allow", json_schema_extra=UNMODELED.document)
     model: str | None = None
     input: Annotated[list[InputItem], FAIL_FAST, BeforeValidator(
         lambda v: [{"content": v}] if isinstance(v, str) else v),

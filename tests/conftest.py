@@ -49,6 +49,26 @@ def served_models(embedded, distilled):
     return {DEFAULT_MODEL: embedded, DEFAULT_DRAFT: distilled}
 
 
+@pytest.fixture
+def fake():
+    """The stand-in engine of the in-process protocol tests (tests/fakeengine.py): scripted
+    events, the requests it was given recorded."""
+    from tests.fakeengine import FakeEngine
+
+    return FakeEngine()
+
+
+@pytest.fixture
+def fake_app(fake):
+    """The server app (every API, the error handlers, the guard) over `fake`."""
+    from server.app import create_app
+    from server.door import ServeConfig
+
+    app = create_app(fake, ServeConfig())
+    yield app
+    app.state.door.close()
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer(embedded):
     return embedded.tokenizer

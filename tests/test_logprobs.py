@@ -25,7 +25,7 @@ from oracle.compare import SHAPE_TOL
 from oracle.reference import NEAR_TIE
 from oracle.sampler import log_probs, top_logprobs
 from server.chat_wire import ChatCompletionRequest, CompletionRequest
-from server.protocol import to_chat, to_completion
+from server.chat import to_request
 from tests import tally
 from tests.serverproc import serve_app
 
@@ -113,9 +113,9 @@ def _post(server, cell: Cell, body: dict[str, Any]) -> tuple[list[ServedLogprob]
 def _oracle(server, embedded, cell: Cell, body: dict[str, Any]) -> OracleResult:
     """The oracle's decode of the request as the server prepared it (its rendered prompt,
     constraint and sampling), once per request; the prompt's head prefilled once."""
-    parse = (to_chat(ChatCompletionRequest.model_validate(body)) if cell.endpoint == "chat"
-             else to_completion(CompletionRequest.model_validate(body)))
-    req = server.engine.prepare(parse.request)
+    req = server.engine.prepare(to_request(
+        ChatCompletionRequest.model_validate(body) if cell.endpoint == "chat"
+        else CompletionRequest.model_validate(body)))
     p = req.sampling
     key = (req.prompt_ids, repr(req.constraint), p, req.max_tokens, req.logprobs)
     if key not in _oracles:

@@ -1,13 +1,12 @@
 """Anthropic Messages wire logic, in process: the official `anthropic` client over an ASGI
-transport against `server.messages`' router, with a fake engine that records the neutral
-request it was given and emits a scripted event stream (no model, no subprocess)."""
+transport against the app, with the fake engine (tests/fakeengine.py) that records the
+neutral request it was given and emits a scripted event stream (no model, no subprocess)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -16,79 +15,60 @@ import pytest
 from fastapi import FastAPI
 
 from server import messages
-from server.door import Door, ServeConfig
-from server.metrics import Metrics
-from specdec.engine import Request
-from specdec.errors import RequestError, SpecdecError
-from specdec.events import (Event, Failed, Finished, GenerationStats, ReasoningDelta,
-                            RequestStream, TextDelta, ToolCall, ToolCallDelta, Usage)
+from server.app import create_app
+from server.door import ServeConfig
+from specdec.errors import RequestError
+from specdec.events import (Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCall,
+                            ToolCallDelta)
 from specdec.grammar import Constraint
 from specdec.request import GenerateRequest, NamedTool
-from specdec.speculative import SpecStats
-
-PROMPT = (1, 2, 3, 4)
+from tests import fakeengine
+from tests.fakeengine import PROMPT, FakeEngine
 
 
 def finished(reason: str = "stop", text: str = "", reasoning: str | None = None,
              calls: tuple[ToolCall, ...] = (), n: int = 3, **extra: Any) -> Finished:
-    stats = GenerationStats(len(PROMPT), n, 0.1, None, 0, SpecStats(), 0.1)
-    ev = Finished(reason, text, reasoning, calls, (), (),  # type: ignore[arg-type]
-                  Usage(len(PROMPT), n, None if reasoning is None else 1), stats)
-    for k, v in extra.items():  # fields the engine may add (stop_sequence)
-        object.__setattr__(ev, k, v)
-    return ev
+    return fakeengine.finished(text, reasoning, reason, calls, prompt_tokens=len(PROMPT),
+                               completion_tokens=n, seed=None,
+                               reasoning_tokens=None if reasoning is None else 1, **extra)
 
 
-class FakeEngine:
-    """Records what `prepare` gets; `submit` plays `script`."""
-
-    target = SimpleNamespace(name="fake-model", vocab_size=100)
-
-    def __init__(self, script: list[Event]) -> None:
-        self.script = script
-        self.seen: list[GenerateRequest] = []
-
-    def prepare(self, greq: GenerateRequest) -> Request:
-        self.seen.append(greq)
-        return Request(PROMPT)
-
-    def submit(self, req: Request, stream: RequestStream) -> RequestStream:
-        for ev in self.script:
-            stream.put(ev)
-        return stream
+def engine_for(script: fakeengine.Script) -> FakeEngine:
+    return FakeEngine(script, name="fake-model")
 
 
 def app_for(engine: FakeEngine) -> FastAPI:
-    """The module's router and error handler, mounted as `server.app` mounts them."""
-    app = FastAPI()
-    app.include_router(messages.router(Door(engine, ServeConfig(), Metrics())))  # type: ignore
-
-    @app.exception_handler(SpecdecError)
-    async def _error(request: Any, e: SpecdecError) -> Any:
-        return messages.error(e)
-
-    return app
+    """The app (every API, as `specdec serve` mounts them) over the fake engine."""
+    return create_app(engine, ServeConfig())  # type: ignore[arg-type]
 
 
 def call(script: list[Event], fn: Callable[[anthropic.AsyncAnthropic], Any]
          ) -> tuple[Any, FakeEngine]:
-    engine = FakeEngine(script)
-    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app_for(engine)),
+    engine = engine_for(script)
+    app = app_for(engine)
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
                               base_url="http://test")
     client = anthropic.AsyncAnthropic(api_key="k", base_url="http://test", http_client=http,
                                       max_retries=0)
-    return asyncio.run(fn(client)), engine
+    try:
+        return asyncio.run(fn(client)), engine
+    finally:
+        app.state.door.close()
 
 
 def raw(body: dict[str, Any], path: str = "/v1/messages") -> tuple[int, Any, FakeEngine]:
-    engine = FakeEngine([finished(text="ok")])
+    engine = engine_for([finished(text="ok")])
+    app = app_for(engine)
 
     async def go() -> httpx2.Response:
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app_for(engine)),
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
                                       base_url="http://test") as c:
             return await c.post(path, json=body)
 
-    r = asyncio.run(go())
+    try:
+        r = asyncio.run(go())
+    finally:
+        app.state.door.close()
     return r.status_code, r.json(), engine
 
 
@@ -275,17 +255,18 @@ def test_refused_bodies_are_400s_in_anthropics_shape(body, names):
 
 
 def test_engine_errors_name_anthropics_fields():
-    class Refusing(FakeEngine):
-        def prepare(self, greq: GenerateRequest) -> Request:
-            raise RequestError("stop strings must be non-empty strings", param="stop")
+    def refuse(greq: GenerateRequest) -> list[Event]:
+        raise RequestError("stop strings must be non-empty strings", param="stop")
+
+    app = app_for(engine_for(refuse))
 
     async def go() -> httpx2.Response:
-        app = app_for(Refusing([]))
         async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
                                       base_url="http://test") as c:
             return await c.post("/v1/messages", json={**BASE, "stop_sequences": [""]})
 
     r = asyncio.run(go())
+    app.state.door.close()
     assert r.status_code == 400
     assert r.json()["error"]["message"].startswith("stop_sequences: ")
 

@@ -375,7 +375,7 @@ def test_reasoning_sent_back_in_the_history_reaches_the_template_from_every_api(
     from server.chat_wire import ChatCompletionRequest
     from server.messages import conversation
     from server.messages_wire import MessagesBody
-    from server.protocol import messages_of
+    from server.chat import messages_of
     from server.responses import messages as responses_messages
     from server.responses_wire import ResponsesRequest
     from specdec.request import GenerateRequest, Tool

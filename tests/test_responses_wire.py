@@ -1,13 +1,13 @@
-"""`/v1/responses` wire mapping, in process: the app over a fake engine that records the
-`GenerateRequest` it was given and answers with a scripted event stream. Every response and
-stream event is validated against the openai SDK's own types; the SDK's stream helper reads
-the stream as a client would."""
+"""`/v1/responses` wire mapping, in process: the app over the fake engine
+(tests/fakeengine.py) that records the `GenerateRequest` it was given and answers with a
+scripted event stream. Every response and stream event is validated against the openai SDK's
+own types; the SDK's stream helper reads the stream as a client would."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -16,26 +16,21 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server.app import create_app
-from server.door import ServeConfig
-from specdec.engine import Request
-from specdec.errors import SpecdecError
-from specdec.events import (Event, Failed, Finished, GenerationStats, ReasoningDelta,
-                            RequestStream, TextDelta, ToolCall, ToolCallDelta, Usage)
 from specdec import request as neutral
-from specdec.request import GenerateRequest, Message, NamedTool
+from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, ToolCall,
+                            ToolCallDelta)
+from specdec.request import Message, NamedTool
 from specdec.scheduler import DeadlineExceeded
-from specdec.speculative import SpecStats
+from tests import fakeengine
+from tests.fakeengine import raises
 
 STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
 
 
 def finished(text: str = "", reasoning: str | None = None, finish: str = "stop",
              calls: tuple[ToolCall, ...] = ()) -> Finished:
-    stats = GenerationStats(prompt_tokens=7, completion_tokens=5, decode_s=0.1, seed=3, k=0,
-                            counters=SpecStats(), seconds=0.2)
-    return Finished(finish, text, reasoning, calls, (), (),  # type: ignore[arg-type]
-                    Usage(7, 5, 2 if reasoning is not None else None), stats, ("a warning",))
+    return fakeengine.finished(text, reasoning, finish, calls, warnings=("a warning",),
+                               reasoning_tokens=2 if reasoning is not None else None)
 
 
 ANSWER = [TextDelta("Hel"), TextDelta("lo!"), finished("Hello!")]
@@ -46,49 +41,10 @@ CALLED = [ToolCallDelta(0, CALL.id, CALL.name, CALL.arguments),
           finished(finish="tool_calls", calls=(CALL,))]
 
 
-class FakeEngine:
-    """What `create_app` and `Door` use of an engine; `script(greq)` gives the events (or
-    raises, as `prepare` does for bad input)."""
-
-    def __init__(self) -> None:
-        self.target = type("Target", (), {"name": "fake", "vocab_size": 100})()
-        self.script: Callable[[GenerateRequest], Sequence[Event]] = lambda g: ANSWER
-        self.seen: list[GenerateRequest] = []
-
-    def start(self, **_: Any) -> None:
-        pass
-
-    def close(self, **_: Any) -> None:
-        pass
-
-    def prepare(self, greq: GenerateRequest) -> Request:
-        self.seen.append(greq)
-        self.events = list(self.script(greq))
-        return Request((1, 2, 3), sampling=greq.sampling)
-
-    def submit(self, req: Request, stream: RequestStream) -> RequestStream:
-        for ev in self.events:
-            stream.put(ev)
-        return stream
-
-
 @pytest.fixture
-def fake() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def post(fake: FakeEngine) -> Iterator[Callable[[dict[str, Any]], httpx.Response]]:
-    app = create_app(fake, ServeConfig())  # type: ignore[arg-type]
-
-    def post(body: dict[str, Any]) -> httpx.Response:
-        async def go() -> httpx.Response:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-                return await c.post("/v1/responses", json={"model": "fake", **body})
-        return asyncio.run(go())
-    yield post
-    app.state.door.close()
+def post(fake, fake_app) -> Iterator[Callable[[dict[str, Any]], httpx.Response]]:
+    fake.script = ANSWER  # unless the test scripts otherwise
+    yield lambda body: fakeengine.post(fake_app, "/v1/responses", {"model": "fake", **body})
 
 
 def events_of(r: httpx.Response) -> list[dict[str, Any]]:
@@ -257,11 +213,11 @@ def test_stream_of_a_call_has_argument_events(post, fake):
     assert events[-2]["item"]["arguments"] == CALL.arguments
 
 
-def test_sdk_stream_helper_reads_the_stream(fake):
+def test_sdk_stream_helper_reads_the_stream(fake, fake_app):
     """The openai SDK's `responses.stream` accumulates our events (it checks identities and
     item order) into the same final response."""
     fake.script = lambda g: THOUGHT
-    app = create_app(fake, ServeConfig())  # type: ignore[arg-type]
+    app = fake_app
 
     async def go() -> tuple[list[str], Any]:
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
@@ -271,7 +227,6 @@ def test_sdk_stream_helper_reads_the_stream(fake):
             return kinds, await s.get_final_response()
     kinds, final = asyncio.run(go())
     assert kinds[-1] == "response.completed" and final.output_text == "{\"a\": 1}"
-    app.state.door.close()
 
 
 def test_length_finish_is_incomplete_max_output_tokens(post, fake):
@@ -297,12 +252,6 @@ def test_failure_without_stream_is_an_error_status(post, fake):
     fake.script = lambda g: [Failed(DeadlineExceeded("too slow"))]
     r = post({"input": "Hi"})
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
-
-
-def raises(param: str) -> Callable[[GenerateRequest], Sequence[Event]]:
-    def script(g: GenerateRequest) -> Sequence[Event]:
-        raise SpecdecError("bad", param=param)
-    return script
 
 
 @pytest.mark.parametrize("engine_param, wire", [
