@@ -49,6 +49,44 @@ def served_models(embedded, distilled):
     return {DEFAULT_MODEL: embedded, DEFAULT_DRAFT: distilled}
 
 
+@pytest.fixture(scope="module")
+def serve(request):
+    """`serve(*flags, env=None)`: a real `specdec serve FLAGS` process on loopback
+    (tests/serverproc.Server), stopped at the module's end. The embedded model is converted
+    (once, `embedded`) before a server that serves it starts."""
+    from tests.serverproc import Server
+
+    started = []
+
+    def start(*args, env=None):
+        if "--model" not in args:
+            request.getfixturevalue("embedded")
+        started.append(Server(*args, env=env))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server_args():
+    """The flags of a module's `server` (a module overrides this fixture to set its own)."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def server_env():
+    """Variables set for a module's `server` (a module overrides this fixture)."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(serve, server_args, server_env):
+    """The module's real server: `specdec serve` with `server_args` and `server_env`."""
+    return serve(*server_args, env=server_env)
+
+
 @pytest.fixture
 def fake():
     """The stand-in engine of the in-process protocol tests (tests/fakeengine.py): scripted

@@ -1,5 +1,5 @@
 """Proposer cells against plain decoding on the embedded model: the shared runner of the
-real-world corpus (test_corpus.py) and the GeoJSON regression (test_repro.py).
+real-world corpus (test_corpus.py) and the GeoJSON regression (test_geojson_exactness.py).
 
 A cell is one proposer combination: which draft (the shipped distilled draft, the target as
 its own draft, or none: grammar-forced tokens and prompt lookup only) and a SpecConfig. On

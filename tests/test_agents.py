@@ -98,10 +98,8 @@ def chat_tool_result(body: dict[str, Any], call_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(embedded):  # `embedded` converts the model once before the server starts
-    s = Server("--num-draft-tokens", "4", "--api-key", KEY)
-    yield s
-    s.stop()
+def server_args():
+    return ("--num-draft-tokens", "4", "--api-key", KEY)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """One request costs its own time, not its neighbours': a grammar whose masks are slow, an
-exception in one request's part of a round, a scheduler thread that dies, the KV budget.
+exception in one request's part of a round, a scheduler thread that dies, the KV budget, a
+request past its time limit.
 
 Slowness is injected (`SlowMasks`: fills that sleep, taking no CPU from the forward), so what
 the tests see is the scheduler's behaviour, not the machine's load; the real hostile grammar
@@ -8,6 +9,7 @@ the tests see is the scheduler's behaviour, not the machine's load; the real hos
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -296,3 +298,78 @@ def test_the_kv_budget_admits_what_fits_and_refuses_what_never_can(embedded):
         assert most[0] == 1  # each waited for the one before it to leave
     finally:
         e.close()
+
+
+def error_of(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+class RoundClock:
+    """The scheduler's clock, advanced by ROUND_S per decode round and by nothing else: a
+    time limit becomes a number of rounds, whatever the machine's speed (each round is as
+    slow as ROUND_S, injected)."""
+
+    ROUND_S = 1.0
+
+    def __init__(self) -> None:
+        self.now, self.rounds = 0.0, 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):  # the rest of the `time` module as it is
+        import time
+
+        return getattr(time, name)
+
+    def wrap(self, run_round):
+        def slow_round(*args, **kw):
+            out = run_round(*args, **kw)
+            self.now += self.ROUND_S
+            self.rounds += 1
+            return out
+
+        return slow_round
+
+
+def test_a_request_past_the_time_limit_is_stopped_at_the_next_round_with_a_504(served_models):
+    # A deadline per request (waiting included): a long generation is stopped at the first
+    # round boundary past it, streaming or not; a short request within it is served; the
+    # server keeps serving. Rounds are made 1 s long on the scheduler's clock (injected), so
+    # a 4.5 s limit is 4.5 rounds on any machine: a request that decodes one token a round
+    # is stopped after its 5th round, never earlier or later.
+    from unittest import mock
+
+    from specdec import scheduler
+    from tests.serverproc import serve_app
+
+    clock = RoundClock()
+    with mock.patch.object(scheduler, "time", clock), \
+            mock.patch.object(scheduler, "run_round", clock.wrap(scheduler.run_round)):
+        s = serve_app("--request-timeout", "4.5", "--draft-model", "none",
+                      models=served_models)
+        try:
+            body = {"messages": [{"role": "user", "content": "Tell a very long story."}],
+                    "max_tokens": 40, "temperature": 0}  # 40 rounds, were it not stopped
+            before = clock.rounds
+            err = error_of(s.http.post("/v1/chat/completions", json=body), 504)
+            assert err["code"] == "timeout"
+            assert clock.rounds - before == 5, clock.rounds - before
+            before = clock.rounds
+            r = s.http.post("/v1/chat/completions", json={**body, "stream": True})
+            events = [json.loads(ln[6:]) for ln in r.text.splitlines()
+                      if ln.startswith("data: ") and ln != "data: [DONE]"]
+            assert events[-1]["error"]["code"] == "timeout", events[-1]
+            assert sum(bool(e.get("choices")) for e in events) >= 1  # tokens came first
+            assert clock.rounds - before == 5, clock.rounds - before
+            short = s.http.post("/v1/chat/completions", json={**body, "max_tokens": 3})
+            assert short.status_code == 200, short.text
+            assert short.json()["choices"][0]["finish_reason"] == "length"
+            assert "specdec_timed_out_total 2" in s.http.get("/metrics").text
+        finally:
+            s.stop()

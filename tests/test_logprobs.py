@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -226,3 +227,63 @@ def test_comparison_lets_tied_tokens_come_in_either_order_and_counts_them():
     top[0], top[1] = top[1], top[0]  # no tie there
     assert compare_logprobs(oracle, [ServedLogprob(good.token, good.logprob,
                                                    tuple(top))]).problems
+
+
+MSG = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def reference_server(serve):
+    # A real server on the reference BLAS: speculative and plain rows are bitwise equal
+    # there, so their logprobs must be too.
+    return serve("--num-draft-tokens", "4", env={"SPECDEC_BLAS": "reference"})
+
+
+def test_logprobs_are_those_of_the_pick_and_equal_with_and_without_speculation(
+        reference_server):
+    import math
+
+    client = reference_server.client()
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer"}},
+              "required": ["colour", "n"], "additionalProperties": False}
+    got = {}
+    for arm, extra in (("spec", None), ("plain", {"num_draft_tokens": 0})):
+        r = client.chat.completions.create(
+            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
+            top_logprobs=3, extra_body=extra, response_format={
+                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+        content = r.choices[0].logprobs.content
+        assert "".join(c.token for c in content) == r.choices[0].message.content
+        for c in content:
+            assert c.logprob <= 0 and c.top_logprobs[0].token == c.token  # greedy: the top
+            assert c.top_logprobs[0].logprob == c.logprob
+            assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1 + 1e-5
+            assert bytes(c.bytes).decode() == c.token
+        got[arm] = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
+                    for c in content]
+        if arm == "spec":
+            assert r.model_extra["specdec"]["proposed"] > 0
+    assert got["spec"] == got["plain"]
+    # A forced position (one token allowed) has logprob 0 under the mask.
+    assert any(lp == 0.0 for _, lp, _ in got["plain"])
+    # Streaming carries the same entries, chunk by chunk.
+    streamed = []
+    with client.chat.completions.create(
+            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
+            top_logprobs=3, stream=True, response_format={
+                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}) as st:
+        for chunk in st:
+            for ch in chunk.choices:
+                if ch.logprobs and ch.logprobs.content:
+                    streamed += [(c.token, c.logprob, [(t.token, t.logprob)
+                                                        for t in c.top_logprobs])
+                                 for c in ch.logprobs.content]
+    assert streamed == got["spec"]
+    # Completions: parallel lists.
+    r = httpx.post(reference_server.url + "/v1/completions", timeout=300, json={
+        "prompt": "One, two,", "max_tokens": 3, "temperature": 0, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    assert all(len(t) <= 2 for t in lp["top_logprobs"])

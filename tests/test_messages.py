@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.serverproc import Server
 
 KEY = "test-key"
 GREEDY = {"temperature": 0}
@@ -29,10 +28,8 @@ CLOCK = {"name": "get_time", "description": "The time in a timezone",
 
 
 @pytest.fixture(scope="module")
-def server(embedded):  # `embedded` converts the model once before servers start
-    s = Server("--num-draft-tokens", "4", "--api-key", KEY)
-    yield s
-    s.stop()
+def server_args():
+    return ("--num-draft-tokens", "4", "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 
 from tests.families import make_family
-from tests.serverproc import Server
 from tests.test_corpus import SEED
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -38,11 +37,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_args(tmp_path_factory):
     model = make_family("qwen2.5", tmp_path_factory.mktemp("fuzz") / "qwen2.5")
-    s = Server("--model", str(model), "--draft-model", "none", "--max-batch", "2")
-    yield s
-    s.stop()
+    return ("--model", str(model), "--draft-model", "none", "--max-batch", "2")
 
 
 @pytest.fixture(scope="module")

@@ -207,15 +207,11 @@ def test_a_template_without_a_think_block_cannot_think(models, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tests.serverproc import Server
-
+def server_args(tmp_path_factory):
     d = make_family("qwen3", tmp_path_factory.mktemp("think-server") / "m", think=True,
                     scale=1.0)
-    s = Server("--model", str(d), "--chat-template", str(TEMPLATES / "qwen3_style.jinja"),
-               "--max-thinking-tokens", "12")
-    yield s
-    s.stop()
+    return ("--model", str(d), "--chat-template", str(TEMPLATES / "qwen3_style.jinja"),
+            "--max-thinking-tokens", "12")
 
 
 def test_parse_returns_the_object_and_the_reasoning(server):

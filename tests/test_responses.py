@@ -15,7 +15,6 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.serverproc import Server
 
 TEMPLATES = Path(__file__).parent / "templates"
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -36,10 +35,8 @@ class Verdict(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(embedded):  # `embedded` converts the model once before the server starts
-    s = Server("--num-draft-tokens", "4")
-    yield s
-    s.stop()
+def server_args():
+    return ("--num-draft-tokens", "4")
 
 
 @pytest.fixture(scope="module")

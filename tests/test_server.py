@@ -20,18 +20,16 @@ import pytest
 from annotated_types import Ge, Le, MaxLen, MinLen
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.serverproc import Server, serve_app
+from tests.serverproc import serve_app
 
 TEMPLATES = Path(__file__).parent / "templates"
 KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def server(embedded):  # `embedded` converts the model once before servers start
+def server_args():
     # The defaults: the shipped distilled draft, prompt lookup on.
-    s = Server("--num-draft-tokens", "4", "--api-key", KEY)
-    yield s
-    s.stop()
+    return ("--num-draft-tokens", "4", "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")
@@ -289,12 +287,11 @@ def test_disconnect_mid_stream_stops_the_request_and_the_next_is_served(server, 
 
 
 @pytest.fixture(scope="module")
-def qwen_server_without_draft(embedded):
+def qwen_server_without_draft(serve):
     # One real server for two tests that decode: a reasoning template with a switch, and no
     # draft model (drafting never changes the text; the template never stops jump-forward).
-    s = Server("--chat-template", str(TEMPLATES / "qwen3_style.jinja"), "--draft-model", "none")
-    yield s
-    s.stop()
+    return serve("--chat-template", str(TEMPLATES / "qwen3_style.jinja"), "--draft-model",
+                 "none")
 
 
 def test_reasoning_template_with_switch_gives_json_without_think_block(

@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 
-from tests.serverproc import Server
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
           "properties": {"city": {"type": "string", "maxLength": 20},
@@ -54,11 +53,13 @@ def _ask(client: openai.OpenAI, req: dict) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(embedded):
-    s = Server("--max-batch", str(MAX_BATCH), "--max-queue", "0", "--draft-max-batch", "1",
-               env={"SPECDEC_BLAS": "reference"})
-    yield s
-    s.stop()
+def server_args():
+    return ("--max-batch", str(MAX_BATCH), "--max-queue", "0", "--draft-max-batch", "1")
+
+
+@pytest.fixture(scope="module")
+def server_env():
+    return {"SPECDEC_BLAS": "reference"}
 
 
 def test_concurrent_clients_of_mixed_kinds_get_what_each_gets_alone(server):

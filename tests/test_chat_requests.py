@@ -1,30 +1,25 @@
-"""Ways into the server that real clients take: user text in headers, grammars that match
-nothing, hostile JSON bodies, chunked bodies, the API key on every non-health path,
-parameters we do not implement (a 400 naming them, never ignored), vLLM's `guided_*` fields,
-content parts and roles; and the CLI's exit status for output cut by --max-tokens. After
-every bad request the server keeps serving."""
+"""Ways into the server that real clients take, over real HTTP (`specdec serve` on
+loopback, with an API key): user text in headers, grammars that match nothing, hostile JSON
+bodies, chunked bodies, the API key on every non-health path, no-op values of parameters we
+do not implement, vLLM's `guided_*` fields, content parts and roles, integers written as
+floats, tools and tool choices, logit_bias. After every bad request the server keeps serving.
+(What one request maps to, in process: test_chat_wire.py.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.serverproc import Server
-
-KEY = "hardening-key"
+KEY = "requests-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MSG = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
-def server(embedded):
-    s = Server("--api-key", KEY)
-    yield s
-    s.stop()
+def server_args():
+    return ("--api-key", KEY)
 
 
 def post(server, body, path="/v1/chat/completions", **kw):
@@ -113,16 +108,6 @@ def test_the_api_key_guards_everything_but_health(server, path):
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
-@pytest.mark.parametrize("param,value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", 1),
-    ("repetition_penalty", 1.1), ("min_p", 0.1), ("functions", [TOOL["function"]]),
-    ("grammar", 'start: "a"'),  # llama.cpp's top-level field: ours is structured_outputs
-])
-def test_a_parameter_we_do_not_implement_is_a_400_naming_it(server, param, value):
-    err = error_of(post(server, {"messages": MSG, "max_tokens": 3, param: value}), 400)
-    assert err["param"] == param and err["code"] == "unsupported_parameter"
-
-
 @pytest.mark.parametrize("extra", [
     {"logprobs": False}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
     {"logit_bias": {}}, {"tools": [TOOL], "tool_choice": "none"}, {"tools": []},
@@ -208,89 +193,6 @@ def test_a_tool_without_parameters_is_called_with_an_empty_object(server, parame
     assert call["name"] == "ping" and json.loads(call["arguments"]) == {}
 
 
-def test_cli_exits_3_when_max_tokens_cuts_a_constrained_output(tmp_path, embedded):
-    schema = tmp_path / "s.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 8}, "city": {"type": "string", "maxLength": 8}},
-        "required": ["name", "city"], "additionalProperties": False}))
-    base = [sys.executable, "-m", "specdec", "generate", "--json-schema", str(schema),
-            "--prompt", "Invent a person.", "--draft-model", "none"]
-    cut = subprocess.run(base + ["--max-tokens", "4"], capture_output=True, text=True,
-                         timeout=600)
-    assert cut.returncode == 3 and "--max-tokens 4" in cut.stderr, cut.stderr[-2000:]
-    assert cut.stdout.strip()  # the partial output is still printed
-    whole = subprocess.run(base + ["--max-tokens", "60"], capture_output=True, text=True,
-                           timeout=600)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    json.loads(whole.stdout)
-
-
-class RoundClock:
-    """The scheduler's clock, advanced by ROUND_S per decode round and by nothing else: a
-    time limit becomes a number of rounds, whatever the machine's speed (each round is as
-    slow as ROUND_S, injected)."""
-
-    ROUND_S = 1.0
-
-    def __init__(self) -> None:
-        self.now, self.rounds = 0.0, 0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def __getattr__(self, name: str):  # the rest of the `time` module as it is
-        import time
-
-        return getattr(time, name)
-
-    def wrap(self, run_round):
-        def slow_round(*args, **kw):
-            out = run_round(*args, **kw)
-            self.now += self.ROUND_S
-            self.rounds += 1
-            return out
-
-        return slow_round
-
-
-def test_a_request_past_the_time_limit_is_stopped_at_the_next_round_with_a_504(served_models):
-    # A deadline per request (waiting included): a long generation is stopped at the first
-    # round boundary past it, streaming or not; a short request within it is served; the
-    # server keeps serving. Rounds are made 1 s long on the scheduler's clock (injected), so
-    # a 4.5 s limit is 4.5 rounds on any machine: a request that decodes one token a round
-    # is stopped after its 5th round, never earlier or later.
-    from unittest import mock
-
-    from specdec import scheduler
-    from tests.serverproc import serve_app
-
-    clock = RoundClock()
-    with mock.patch.object(scheduler, "time", clock), \
-            mock.patch.object(scheduler, "run_round", clock.wrap(scheduler.run_round)):
-        s = serve_app("--request-timeout", "4.5", "--draft-model", "none",
-                      models=served_models)
-        try:
-            body = {"messages": [{"role": "user", "content": "Tell a very long story."}],
-                    "max_tokens": 40, "temperature": 0}  # 40 rounds, were it not stopped
-            before = clock.rounds
-            err = error_of(s.http.post("/v1/chat/completions", json=body), 504)
-            assert err["code"] == "timeout"
-            assert clock.rounds - before == 5, clock.rounds - before
-            before = clock.rounds
-            r = s.http.post("/v1/chat/completions", json={**body, "stream": True})
-            events = [json.loads(ln[6:]) for ln in r.text.splitlines()
-                      if ln.startswith("data: ") and ln != "data: [DONE]"]
-            assert events[-1]["error"]["code"] == "timeout", events[-1]
-            assert sum(bool(e.get("choices")) for e in events) >= 1  # tokens came first
-            assert clock.rounds - before == 5, clock.rounds - before
-            short = s.http.post("/v1/chat/completions", json={**body, "max_tokens": 3})
-            assert short.status_code == 200, short.text
-            assert short.json()["choices"][0]["finish_reason"] == "length"
-            assert "specdec_timed_out_total 2" in s.http.get("/metrics").text
-        finally:
-            s.stop()
-
-
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {
@@ -365,65 +267,6 @@ def test_logit_bias_moves_the_pick_and_bad_bias_is_a_400(server):
     for bad in ({"x": 1}, {"5": 200}, {"99999999": 1}, {"5": True}):
         error_of(post(server, {**body, "logit_bias": bad}, path="/v1/completions"), 400,
                  "logit_bias")
-
-
-@pytest.fixture(scope="module")
-def reference_server(embedded):
-    # The reference BLAS: speculative and plain rows are bitwise equal there, so their
-    # logprobs must be too.
-    s = Server("--num-draft-tokens", "4", env={"SPECDEC_BLAS": "reference"})
-    yield s
-    s.stop()
-
-
-def test_logprobs_are_those_of_the_pick_and_equal_with_and_without_speculation(
-        reference_server):
-    import math
-
-    client = reference_server.client()
-    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                                               "n": {"type": "integer"}},
-              "required": ["colour", "n"], "additionalProperties": False}
-    got = {}
-    for arm, extra in (("spec", None), ("plain", {"num_draft_tokens": 0})):
-        r = client.chat.completions.create(
-            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
-            top_logprobs=3, extra_body=extra, response_format={
-                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
-        content = r.choices[0].logprobs.content
-        assert "".join(c.token for c in content) == r.choices[0].message.content
-        for c in content:
-            assert c.logprob <= 0 and c.top_logprobs[0].token == c.token  # greedy: the top
-            assert c.top_logprobs[0].logprob == c.logprob
-            assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1 + 1e-5
-            assert bytes(c.bytes).decode() == c.token
-        got[arm] = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
-                    for c in content]
-        if arm == "spec":
-            assert r.model_extra["specdec"]["proposed"] > 0
-    assert got["spec"] == got["plain"]
-    # A forced position (one token allowed) has logprob 0 under the mask.
-    assert any(lp == 0.0 for _, lp, _ in got["plain"])
-    # Streaming carries the same entries, chunk by chunk.
-    streamed = []
-    with client.chat.completions.create(
-            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
-            top_logprobs=3, stream=True, response_format={
-                "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}) as st:
-        for chunk in st:
-            for ch in chunk.choices:
-                if ch.logprobs and ch.logprobs.content:
-                    streamed += [(c.token, c.logprob, [(t.token, t.logprob)
-                                                        for t in c.top_logprobs])
-                                 for c in ch.logprobs.content]
-    assert streamed == got["spec"]
-    # Completions: parallel lists.
-    r = httpx.post(reference_server.url + "/v1/completions", timeout=300, json={
-        "prompt": "One, two,", "max_tokens": 3, "temperature": 0, "logprobs": 2}).json()
-    lp = r["choices"][0]["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
-    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
-    assert all(len(t) <= 2 for t in lp["top_logprobs"])
 
 
 @pytest.mark.parametrize("extra,param", [({"top_logprobs": 2}, "top_logprobs"),
