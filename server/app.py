@@ -167,7 +167,7 @@ def _watchdog(server: Any, sched: Any) -> None:
     """A sharded target: a collective whose peer died may never return. A round that runs
     past the limit (much shorter once the server was asked to stop: mlx.launch stops the
     other ranks when one fails) fails every request with a 503, and the server exits."""
-    from specdec.scheduler import SchedulerStopped
+    from specdec.errors import SchedulerStopped
 
     while sched.fatal is None:
         time.sleep(0.5)

@@ -21,6 +21,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Literal
 
+from .errors import BlasError  # noqa: F401
+
 BlasChoice = Literal["auto", "openblas", "reference"]
 CHOICES: tuple[BlasChoice, ...] = ("auto", "openblas", "reference")
 # Whether a request's logits are independent of the other requests in its batch, as the suite
@@ -38,10 +40,6 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/aarch64-linux-gnu/openblas-openmp/libblas.so.3",
 )
 _REEXEC_MARK = "SPECDEC_BLAS_REEXEC"
-
-
-class BlasError(RuntimeError):
-    """The requested BLAS cannot be provided on this machine."""
 
 
 def openblas_path() -> str | None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import RequestError
+from .errors import (ChatTemplateError, ReasoningConflictError, RequestError,  # noqa: F401
+                     ThinkingUnsupportedError)
 from .reasoning import (GEMMA, HARMONY, OTHER_TAGS, THINK_TAG, Protocol, Thinking,
                         find_protocol, think_tag)
 
@@ -25,24 +26,6 @@ NO_THINK_KWARGS: dict[str, Any] = {"enable_thinking": False, "thinking": False,
 PROBE_USER = {"role": "user", "content": "Probe question."}
 PROBE_THOUGHT = "Probe reasoning."
 PROBE_ANSWER = "Probe answer."
-
-
-class ChatTemplateError(RequestError):
-    """The messages cannot be rendered with this model's chat template."""
-
-    param = "messages"
-
-
-class ReasoningConflictError(ChatTemplateError):
-    """A constrained request would start inside a reasoning block."""
-
-    code = "reasoning_conflict"
-
-
-class ThinkingUnsupportedError(ChatTemplateError):
-    """Thinking was asked for, and the chat template has no think block."""
-
-    param, code = "thinking", "thinking_unsupported"
 
 
 def _assistant(thought: str) -> dict[str, Any]:

@@ -344,14 +344,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from . import blas, models
+    from .errors import ModelNotFoundError
 
     try:
         gguf: str = str(models.embedded_gguf())
-    except models.ModelNotFoundError as e:
+    except ModelNotFoundError as e:
         gguf = f"missing ({e})"
     try:
         draft: str = str(models.default_draft_dir())
-    except models.ModelNotFoundError as e:
+    except ModelNotFoundError as e:
         draft = f"missing ({e})"
     info = {
         "mlx": mx.__version__,
@@ -419,8 +420,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .blas import BlasError, ensure_blas
+    from .blas import ensure_blas
     from .blas import request as request_blas
+    from .errors import BlasError, SpecdecError
 
     args = build_parser().parse_args(argv)
     try:
@@ -430,20 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     except BlasError as e:
         print(f"specdec: {e}", file=sys.stderr)
         return 2
-    from .decode import GrammarStateError
-    from .grammar import GrammarError
-    from .models import ModelNotFoundError
-
     handlers = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve,
                 "distill": cmd_distill, "launch": cmd_launch}
     try:
         return handlers[args.cmd](args)
-    except GrammarStateError as e:
-        # An internal fault, not bad input: one line, nothing past the error printed.
-        print(f"specdec: internal error: {e}; no output past that point was emitted",
-              file=sys.stderr)
-        return 1
-    except (GrammarError, ModelNotFoundError, ValueError, OSError) as e:
+    except SpecdecError as e:
+        if e.kind == "internal":  # a fault of ours, not bad input: one line, nothing past it
+            print(f"specdec: internal error: {e}; no output past that point was emitted",
+                  file=sys.stderr)
+            return 1
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
 

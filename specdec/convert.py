@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from .errors import ConversionError  # noqa: F401
+
 WeightFormat = Literal["float32", "q4"]
 CONVERTER_VERSION = 1
 GROUP_SIZE = 32  # GGUF Q4_1 / Q8_0 blocks hold 32 values
@@ -39,10 +41,6 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-class ConversionError(ValueError):
-    """The GGUF file cannot be converted (unsupported architecture or layout)."""
 
 
 def hf_name(gguf_name: str) -> str:

@@ -17,76 +17,11 @@ from mlx.utils import tree_map
 from llguidance import LLMatcher
 
 
-from .errors import SpecdecError
+from .errors import (GrammarDeadEnd, GrammarRefused, GrammarStateError,  # noqa: F401
+                     GrammarTooComplex)
+from .types import DecodeFinish, TokenId  # noqa: F401
 
-FinishReason = Literal["stop", "length"]
-TokenId = int
 PREFILL_CHUNK = 512
-
-
-class GrammarStateError(SpecdecError, RuntimeError):
-    """The request's matcher entered an error state mid-generation; decoding stops (fail
-    closed). An internal fault, not bad input: the grammar compiled and every token fed to it
-    was allowed by its own mask.
-
-    `str(e)` is one line; llguidance's full report (parser state, grammar) is in `detail`.
-
-    Attributes:
-        position: output tokens emitted before the failing one (None when not known).
-        detail: llguidance's error text, multi-line.
-    """
-
-    def __init__(self, reason: str, *, position: int | None = None, detail: str = "") -> None:
-        where = f" at output token {position}" if position is not None else ""
-        first = detail.strip().splitlines()[0] if detail.strip() else ""
-        super().__init__(f"{reason}{where}" + (f": {first}" if first else ""))
-        self.code, self.kind = "grammar_state", "internal"
-        self.position = position
-        self.detail = detail
-
-
-class GrammarRefused(SpecdecError):
-    """The request's grammar, not our code, stopped it mid-generation (a 4xx): it costs too
-    much (`GrammarTooComplex`) or it cannot be completed (`GrammarDeadEnd`). Nothing past
-    that point is emitted.
-
-    Attributes:
-        position: output tokens emitted before the stop.
-    """
-
-    position: int | None = None
-
-
-class GrammarDeadEnd(GrammarRefused):
-    """The grammar allows no token (not even the end) after output it allowed: it has a
-    dead end (`start: "ab" /[^\\s\\S]/`). Compile-time probing sees only the first mask."""
-
-    code = "invalid_grammar"
-
-    def __init__(self, *, position: int | None = None, param: str = "constraint") -> None:
-        where = f" after output token {position}" if position is not None else ""
-        super().__init__(f"the grammar allows no continuation{where} (not even the end of "
-                         "the output): it has a dead end", param=param)
-        self.position = position
-
-
-class GrammarTooComplex(GrammarRefused):
-    """The request's grammar costs more than its budget (`core.MaskBudget`), or it reached
-    one of llguidance's parser limits (`grammar.PARSER_LIMITS`): the request is stopped and
-    nothing past that point is emitted. The client's grammar, not our fault: a 4xx.
-
-    Attributes:
-        position: output tokens emitted before the stop.
-    """
-
-    code = "grammar_too_complex"
-
-    def __init__(self, reason: str, *, position: int | None = None,
-                 param: str = "constraint") -> None:
-        where = f" at output token {position}" if position is not None else ""
-        super().__init__(f"the grammar is too costly to follow: {reason}{where}; simplify it "
-                         "(fewer ambiguous or nested rules)", param=param)
-        self.position = position
 
 
 # llguidance reports its parser limits only as text (no error kinds): these are its messages

@@ -26,42 +26,33 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .chat import NO_THINK_KWARGS, ChatTemplateError, render_chat, render_thinking
+from .chat import NO_THINK_KWARGS, render_chat, render_thinking
 from .core import DecodeState, MaskBudget, Models, new_state
-from .decode import PromptKVCache, TokenId
-from .errors import RequestError
+from .decode import PromptKVCache
+from .errors import ChatTemplateError, CompileTimeout, DraftConfigError, RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
-from .grammar import (CompiledGrammar, Constraint, GrammarCompiler, GrammarError, _schema_dict,
-                      to_grammar)
+from .grammar import CompiledGrammar, GrammarCompiler, _schema_dict, to_grammar
 from .lookup import SuffixStore, grammar_key
 from .models import LoadedModel, gpu_backend
 from .output import Output
 from .reasoning import Thinking, marker_ids
-from .request import GenerateRequest, Message, NamedTool, Tool
-from .sampling import SamplingParams
-from .scheduler import Decisions, Scheduler, Ticket, kv_positions
-from .speculative import DraftConfigError, SpecConfig, TreeCosts
+from .request import (DEFAULT_MAX_TOKENS, Constraint, GenerateRequest, Message, NamedTool,
+                      Request, SamplingParams, Tool, kv_positions)
+from .scheduler import Decisions, Scheduler, Ticket
+from .speculative import SpecConfig, TreeCosts
+from .types import TokenId
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
                     json_calls_schema, tools_grammar)
 
 __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
            "GenerationStats", "Request", "RequestError"]
 
-DEFAULT_MAX_TOKENS = 256
 # Batched rounds on the CPU backend run the draft model up to this many drafting requests.
 # Measured with the embedded model and its draft on 2 cores (the six JSON workloads decoded
 # together in-process), the draft model pays +2% at 2-4 requests and costs 3% at 6, 6% at 8
 # and 10% at 16, where the fp32 forward is compute-bound and forced and looked-up proposals
 # already fill the verify rows; bench row `draft_left_out_over_kept_c8` checks it at 8.
 CPU_DRAFT_MAX_BATCH = 4
-
-
-class CompileTimeout(GrammarError):
-    """A constraint that did not compile within the request's time limit."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(kind, message)
-        self.code = "compile_timeout"
 
 
 @dataclass(frozen=True)
@@ -84,42 +75,6 @@ class EngineDefaults:
     compile_timeout_s: float | None = None
     chat_template: str | None = None
     reasoning_format: str | None = None
-
-
-@dataclass(frozen=True)
-class Request:
-    """One prepared request, as the scheduler runs it (`Engine.prepare` builds it).
-
-    Attributes:
-        prompt_ids: prompt token ids.
-        constraint: what the output must match, or None.
-        sampling: how tokens are picked (seed filled in when sampling).
-        max_tokens: most tokens to generate.
-        stop: strings that end the output (not included in it).
-        spec: speculative settings, or None for plain decoding.
-        grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
-        logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
-            alternatives (`events.TokenLogprob`).
-        thinking: think before the constrained answer (`reasoning.Thinking`), or None.
-        tools: the tools the output may call (its grammar holds them).
-        calls: how the output's calls are read back (None: the output is text).
-    """
-
-    prompt_ids: tuple[TokenId, ...]
-    constraint: Constraint | None = None
-    sampling: SamplingParams = SamplingParams()
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    stop: tuple[str, ...] = ()
-    spec: SpecConfig | None = None
-    grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
-    logprobs: int | None = None
-    thinking: Thinking | None = None
-    tools: tuple[Tool, ...] = ()
-    calls: CallParser | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return self.grammar.warnings if self.grammar is not None else ()
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -170,7 +125,7 @@ class Engine:
         masks: what one request's grammar may cost (`core.MaskBudget`).
         parser_limits: llguidance's parser limits, by name, over `grammar.PARSER_LIMITS`.
         max_kv_tokens: most KV positions the decoding requests hold together (the
-            scheduler's admission: `scheduler.kv_positions`); a request that cannot fit even
+            scheduler's admission: `request.kv_positions`); a request that cannot fit even
             alone is a 400. "auto": a quarter of the machine's memory (`kv_budget`); None:
             no bound.
     Raises:
@@ -491,7 +446,7 @@ class Engine:
         if max_tokens is None:
             room = self.context_length - len(ids)
             if self.max_kv_tokens is not None:
-                room = min(room, self.max_kv_tokens - kv_positions(_Sized(len(ids), 0)))
+                room = min(room, self.max_kv_tokens - kv_positions(len(ids), 0))
             max_tokens = max(1, min(self.defaults.max_tokens, room))
         if thinking is not None:
             budget = r.thinking_budget
@@ -632,7 +587,7 @@ class Engine:
                                f"context length {self.context_length} (at most "
                                f"{self.context_length - n})", param="max_tokens",
                                code="context_length_exceeded")
-        need = kv_positions(_Sized(n, max_tokens))
+        need = kv_positions(n, max_tokens)
         if self.max_kv_tokens is not None and need > self.max_kv_tokens:
             raise RequestError(f"a {n}-token prompt with max_tokens={max_tokens} needs {need} "
                                f"KV positions; this server holds at most {self.max_kv_tokens} "
@@ -715,18 +670,6 @@ class Engine:
                                      if req.grammar is not None else None))
 
 
-@dataclass(frozen=True)
-class _Sized:
-    """What `scheduler.kv_positions` reads of a request, before there is one."""
-
-    n: int
-    max_tokens: int
-
-    @property
-    def prompt_ids(self) -> range:
-        return range(self.n)
-
-
 KV_MEMORY_SHARE = 0.25  # of the machine's memory (a GPU's working set), for "auto"
 
 
@@ -744,7 +687,7 @@ def kv_budget(target: LoadedModel, draft: LoadedModel | None, context_length: in
     except (AttributeError, KeyError, OSError, ValueError):
         memory = 16 << 30
     return max(int(memory * KV_MEMORY_SHARE) // max(1, per),
-               kv_positions(_Sized(context_length, 0)))
+               kv_positions(context_length, 0))
 
 
 ANY_TEXT = "start: /(?s:.*)/"  # the answer of a thinking request without a constraint

@@ -16,12 +16,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from .errors import SpecdecError
+from .errors import SchedulerStopped, SpecdecError
 from .request import ToolCall  # a complete call, as in the conversation's history
 from .speculative import SpecStats
+from .types import FinishReason, TokenId
 
-TokenId = int
-FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "counters"}
-        d.update(asdict(self.counters))
+        d.update(self.counters.as_dict())
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
         d["acceptance_rate"] = round(self.counters.acceptance_rate, 4)
         return d
@@ -207,8 +206,6 @@ class RequestStream:
                     ev = self._q.get_nowait()
                 except queue.Empty:
                     if not self.pump() and self._q.empty():
-                        from .scheduler import SchedulerStopped
-
                         ev = Failed(SchedulerStopped("the engine stopped after a fatal error"))
                     else:
                         continue

@@ -24,10 +24,10 @@ import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from tokenizers import Tokenizer
 
-from .errors import RequestError
+from .errors import GrammarError, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
+from .request import Constraint, ConstraintKind
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
 
 # Compact JSON: no free whitespace, so a model cannot spin on spaces or newlines until
@@ -46,65 +46,6 @@ JSON_DEFAULTS: dict[str, Any] = {
 PARSER_LIMITS = dict(max_items_in_row=2000, step_max_items=50_000, step_lexer_fuel=200_000,
                      initial_lexer_fuel=1_000_000, max_lexer_states=250_000,
                      max_grammar_size=500_000)
-
-
-class GrammarError(RequestError):
-    """A constraint that cannot be compiled; the message names the offending value.
-
-    Attributes:
-        kind: the constraint kind (`json_schema`, `regex`, ...).
-    """
-
-    def __init__(self, kind: str, message: str) -> None:
-        what = "tool parameters" if kind == "tools" else f"{kind} constraint"
-        super().__init__(f"invalid {what}: {message}",
-                         param="tools" if kind == "tools" else "constraint",
-                         code="invalid_grammar")
-        self.constraint_kind = kind
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a request's output must match.
-
-    Attributes:
-        kind: `json_schema` (value: dict or JSON text), `json_object` (value: None),
-            `regex` (value: pattern), `grammar` (value: Lark or GBNF text), `choice`
-            (value: list of strings).
-        value: the constraint itself.
-        lenient: JSON only: ignore keywords llguidance does not implement and treat `oneOf`
-            as `anyOf` (both reported as warnings) instead of refusing the schema.
-    """
-
-    kind: ConstraintKind | Literal["tools"]
-    value: Any = None
-    lenient: bool = False
-    json_options: tuple[tuple[str, Any], ...] = field(default=())
-
-    @staticmethod
-    def json_schema(schema: dict[str, Any] | str, lenient: bool = False) -> "Constraint":
-        return Constraint("json_schema", schema, lenient)
-
-    @staticmethod
-    def tools(grammar: str) -> "Constraint":
-        """Text or tool calls: a grammar `tools.tools_grammar` wrote (llguidance JSON)."""
-        return Constraint("tools", grammar)
-
-    @staticmethod
-    def json_object() -> "Constraint":
-        return Constraint("json_object")
-
-    @staticmethod
-    def regex(pattern: str) -> "Constraint":
-        return Constraint("regex", pattern)
-
-    @staticmethod
-    def grammar(text: str) -> "Constraint":
-        return Constraint("grammar", text)
-
-    @staticmethod
-    def choice(options: list[str]) -> "Constraint":
-        return Constraint("choice", list(options))
 
 
 def _schema_dict(value: Any) -> dict[str, Any]:

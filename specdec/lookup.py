@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from .decode import TokenId
+from .types import TokenId
 
 
 _END = -1  # between outputs in a store's index: no n-gram crosses it, no proposal is it

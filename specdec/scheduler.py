@@ -19,41 +19,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 
 from . import ragged
-from .core import (DecodeState, decode_plainly, mask_decisions, prefill_arrivals,
+from .core import (DecodeState, Models, decode_plainly, mask_decisions, prefill_arrivals,
                    run_round)
-from .errors import InternalError, SpecdecError
+from .decode import PromptKVCache
+from .errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull,  # noqa: F401
+                     SchedulerStopped, SpecdecError)
+from .output import Output
+from .request import Request
 from .speculative import TREE_MIN_SCORE
 
 log = logging.getLogger("specdec.scheduler")
-
-
-class QueueFull(SpecdecError):
-    """The scheduler's waiting queue is at its bound; retry later."""
-
-    kind, code = "unavailable", "queue_full"
-
-
-class SchedulerStopped(SpecdecError):
-    """The scheduler stopped after a fatal error (a replica of a sharded target was lost)."""
-
-    kind, code = "unavailable", "unavailable"
-
-
-class Cancelled(SpecdecError):
-    """The caller cancelled the request (its client went away); it was stopped."""
-
-    code = "cancelled"
-
-
-class DeadlineExceeded(SpecdecError):
-    """A request ran (or waited) past its time limit; it was stopped, nothing lost."""
-
-    kind, code = "timeout", "timeout"
 
 
 @dataclass(eq=False)
@@ -61,7 +40,7 @@ class Ticket:
     """A submitted request: what the scheduler needs to run it and report back.
 
     Attributes:
-        request: the prepared request (`engine.Request`); the scheduler's `start` builds
+        request: the prepared request (`request.Request`); the scheduler's `start` builds
             its `DecodeState` (on the scheduler thread).
         output: the request's output router (`output.Output`): it takes each emitted token
             and puts the request's events into its stream.
@@ -71,26 +50,17 @@ class Ticket:
         replica: what a sharded target's replicas need to rebuild the ticket.
     """
 
-    request: Any
-    output: Any
+    request: Request
+    output: Output
     cancelled: threading.Event = field(default_factory=threading.Event)
     timeout_s: float | None = None
-    replica: Any = None
+    replica: Request | None = None
     key: int = 0  # submission number, set by `submit`
     state: DecodeState | None = None
     t0: float = 0.0
 
     def overdue(self, now: float) -> bool:
         return self.timeout_s is not None and now - self.t0 > self.timeout_s
-
-
-def kv_positions(request: Any) -> int:
-    """The most KV positions a request can hold: its prompt, its output and one round's
-    proposals (what admission counts against `max_kv_tokens`)."""
-    from .speculative import MAX_DRAFT_TOKENS
-
-    prompt = getattr(request, "prompt_ids", ())
-    return len(prompt) + int(getattr(request, "max_tokens", 0)) + MAX_DRAFT_TOKENS + 1
 
 
 @dataclass(frozen=True)
@@ -102,7 +72,7 @@ class Decisions:
     round's token-tree branch threshold where it moved (`speculative.TreeCosts`, priced
     by rank 0's clock; None: the last round's); or stop."""
 
-    admit: tuple[tuple[int, Any], ...] = ()
+    admit: tuple[tuple[int, Request | None], ...] = ()
     late: tuple[int, ...] = ()
     gone: tuple[int, ...] = ()
     idle: tuple[int, ...] = ()
@@ -144,8 +114,9 @@ class Scheduler:
             request that would exceed it waits until others leave (None: no bound).
     """
 
-    def __init__(self, models: Any, start: Callable[[Any], DecodeState], max_batch: int = 8,
-                 max_queue: int = 64, chunk: int = 512, kv_store: Any = None,
+    def __init__(self, models: Models, start: Callable[[Request], DecodeState],
+                 max_batch: int = 8, max_queue: int = 64, chunk: int = 512,
+                 kv_store: PromptKVCache | None = None,
                  publish: Callable[[Decisions], None] | None = None,
                  on_fatal: Callable[[Exception], None] | None = None,
                  thread: bool = True, max_kv_tokens: int | None = None) -> None:
@@ -270,9 +241,9 @@ class Scheduler:
         cannot go on (a sharded target's round failed, or it was aborted)."""
         with self._cv:
             admitted = []
-            used = sum(kv_positions(t.request) for t in self._active)
+            used = sum(t.request.kv_positions for t in self._active)
             while self._waiting and len(self._active) < self.max_batch:
-                need = kv_positions(self._waiting[0].request)
+                need = self._waiting[0].request.kv_positions
                 if (self.max_kv_tokens is not None and self._active
                         and used + need > self.max_kv_tokens):
                     break  # it waits (in order) until enough of the others have left
@@ -459,7 +430,7 @@ class Scheduler:
             if error is None and s.suffixes is not None:  # it proposes for later answers
                 s.suffixes.add(s.suffix_key, s.seq[len(s.prompt):], lead=s.prompt)
             t.state.release()
-            if not self._active or kv_positions(t.request) > ragged.SLOT_POSITIONS:
+            if not self._active or t.request.kv_positions > ragged.SLOT_POSITIONS:
                 mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now
         if error is not None:
             t.output.fail(error)

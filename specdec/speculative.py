@@ -38,22 +38,16 @@ from llguidance import LLMatcher
 
 import time
 
-from .decode import StepTimings, TokenId, grammar_failure
+from .decode import StepTimings, grammar_failure
 from .lookup import LookupCursor, NgramIndex, SuffixCursor
 from .sampling import (SamplingParams, apply_mask, pick_scores, position_noise,
                        unpack_bitmask)
 
-from .errors import RequestError
+from .errors import DraftConfigError  # noqa: F401
+from .types import MAX_DRAFT_TOKENS, TokenId
 
-MAX_DRAFT_TOKENS = 16
 MAX_TREE_NODES = 32
 TREE_WIDTH = 3  # candidates a token tree reads at each drafted position
-
-
-class DraftConfigError(RequestError):
-    """Speculative settings out of range, or a draft that cannot serve this target."""
-
-    param = "spec"
 
 
 @dataclass(frozen=True)

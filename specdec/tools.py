@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from .grammar import GrammarError
+from .errors import GrammarError
 from .reasoning import Markup
 
 

@@ -270,11 +270,10 @@ def test_a_dead_scheduler_thread_turns_health_503_and_fails_requests_at_once(ser
 
 def test_the_kv_budget_admits_what_fits_and_refuses_what_never_can(embedded):
     from specdec.engine import Engine
-    from specdec.scheduler import kv_positions
 
     probe = Engine(embedded, max_kv_tokens=None)
     req = probe.prepare(GenerateRequest(messages=(Message("user", "Say hi"),), max_tokens=8))
-    need = kv_positions(req)
+    need = req.kv_positions
     e = Engine(embedded, max_kv_tokens=need + need // 2)  # one fits, two do not
     with pytest.raises(Exception) as err:
         e.prepare(GenerateRequest(messages=(Message("user", "Say hi"),), max_tokens=need))

@@ -1,0 +1,32 @@
+"""The floor: names every layer of specdec shares, defined once and importing nothing of ours.
+
+Token ids, finish reasons as the library knows them, and proposal sources. The
+protocol-neutral request (`request.py`) and every error class (`errors.py`) sit beside this
+module on the same floor; the decode core, the scheduler and the Engine import from here,
+never the other way round.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+TokenId = int
+MAX_DRAFT_TOKENS = 16  # most proposals one round verifies (a request's KV holds them too)
+
+# Why an output ended: "stop" (EOS, the grammar complete, a stop string), "length" (the token
+# budget), "tool_calls" (the output is one or more calls). The decode core ends a request
+# with "stop" or "length" only (`DecodeFinish`); reading the output back as calls makes
+# "tool_calls".
+FinishReason = Literal["stop", "length", "tool_calls"]
+DecodeFinish = Literal["stop", "length"]
+
+
+class ProposalSource(str, Enum):
+    """Where a speculative proposal came from. The value is the counter's name in
+    `SpecStats` and on the wire (the response's `specdec` extension, /metrics)."""
+
+    FORCED = "forced"  # the grammar allows exactly one token
+    LOOKED_UP = "looked_up"  # prompt lookup: a legal continuation of a repeated n-gram
+    SUFFIXED = "suffixed"  # earlier answers (`lookup.SuffixStore`)
+    DRAFTED = "drafted"  # the draft model

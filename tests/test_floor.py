@@ -1,0 +1,165 @@
+"""The floor under specdec: imports flow one way, shared names are defined once, every error
+is a `SpecdecError` defined in an errors module.
+
+Read from the source (ast), so a function-level import counts like a module-level one; an
+import under `if TYPE_CHECKING:` (annotations only, never executed) does not.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pathlib
+import pkgutil
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "specdec"
+
+# specdec's layers, lowest first: a module imports its own layer or lower ones, never higher.
+# A new module takes its place here (the test fails on a module no layer names).
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"types", "errors", "request"}),  # the floor: names every layer shares
+    frozenset({"blas", "convert", "ragged", "reasoning", "lookup", "decode", "sampling",
+               "chat", "grammar", "tools", "models", "distill_data"}),  # leaves
+    frozenset({"speculative", "events", "output", "core"}),  # the decode core
+    frozenset({"scheduler", "distributed"}),  # rounds over requests, and replicas of them
+    frozenset({"prepare", "engine"}),  # the door: preparation, models and the scheduler
+    frozenset({"cli", "distill", "__main__", "__init__"}),  # entry points
+)
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if module in layer:
+            return i
+    raise AssertionError(f"specdec/{module}.py is in no layer of tests/test_floor.py: place it")
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> dict[str, int]:
+    """specdec modules `path` imports (name -> line), module- and function-level, outside
+    `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text())
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node))
+    out: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 or node.module == "specdec" or (
+                    node.module or "").startswith("specdec."):
+                mod = node.module or ""
+                mod = mod.removeprefix("specdec").lstrip(".") if node.level == 0 else mod
+                names = [mod.split(".")[0]] if mod else [a.name for a in node.names]
+            elif node.level > 1:
+                raise AssertionError(f"{path.name}:{node.lineno}: imports from above the package")
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("specdec.")]
+        for n in names:
+            if n in modules and n != path.stem:
+                out.setdefault(n, node.lineno)
+    return out
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    paths = sorted(PACKAGE.glob("*.py"))
+    modules = {p.stem for p in paths}
+    return {p.stem: _imports(p, modules) for p in paths}
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(u: str, path: list[str]) -> None:
+        state[u] = 1
+        path.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                found.append(path[path.index(v):] + [v])
+            elif v not in state:
+                visit(v, path)
+        path.pop()
+        state[u] = 2
+
+    for u in sorted(graph):
+        if u not in state:
+            visit(u, [])
+    return found
+
+
+def test_specdec_imports_have_no_cycle():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_specdec_imports_never_reach_up_a_layer():
+    graph = _graph()
+    up = [f"{m}.py:{line} imports {n} (layer {_layer(n)} over {_layer(m)})"
+          for m, deps in graph.items() for n, line in deps.items() if _layer(n) > _layer(m)]
+    assert not up, "upward imports:\n" + "\n".join(up)
+
+
+def test_the_floor_imports_nothing_above_it():
+    graph = _graph()
+    for m in LAYERS[0]:
+        assert set(graph[m]) <= LAYERS[0], f"{m} imports {sorted(set(graph[m]) - LAYERS[0])}"
+
+
+def test_the_walker_sees_function_level_imports_and_skips_typing_only_ones(tmp_path):
+    # a mutation check on the walker itself: an import inside a function counts, one under
+    # TYPE_CHECKING does not
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import Engine\n"
+           "def f():\n    from .scheduler import Scheduler\n    import specdec.core\n")
+    p = tmp_path / "probe.py"
+    p.write_text(src)
+    assert set(_imports(p, {"engine", "scheduler", "core"})) == {"scheduler", "core"}
+    assert _cycles({"a": {"b": 1}, "b": {"a": 1}}) == [["a", "b", "a"]]
+
+
+def _own_modules() -> list[str]:
+    names = []
+    for pkg in ("specdec", "server"):
+        mod = importlib.import_module(pkg)
+        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules(mod.__path__)
+                  if m.name != "__main__"]
+    return names
+
+
+def test_every_error_class_is_a_specdec_error_defined_in_an_errors_module():
+    from specdec.errors import SpecdecError
+
+    seen = {}
+    for name in _own_modules():
+        mod = importlib.import_module(name)
+        for _, cls in inspect.getmembers(mod, inspect.isclass):
+            if issubclass(cls, BaseException) and cls.__module__.split(".")[0] in (
+                    "specdec", "server"):
+                seen[cls.__qualname__] = cls
+    assert len(seen) >= 20, sorted(seen)  # the walk found the package's errors
+    outside = [n for n, c in seen.items() if not issubclass(c, SpecdecError)]
+    assert not outside, f"not SpecdecError: {outside}"
+    astray = [f"{n} in {c.__module__}" for n, c in seen.items()
+              if c.__module__ not in ("specdec.errors", "server.errors")]
+    assert not astray, f"error classes outside an errors module: {astray}"
+    kinds = {c.kind for c in seen.values()}
+    assert kinds <= {"invalid_request", "not_found", "unavailable", "timeout", "internal"}
+
+
+@pytest.mark.parametrize("name", ["TokenId", "FinishReason"])
+def test_shared_names_are_defined_once_on_the_floor(name):
+    where = []
+    for p in sorted([*PACKAGE.glob("*.py"), *(ROOT / "server").glob("*.py")]):
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, ast.AnnAssign)
+                       else [])
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                where.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert where == ["specdec/types.py:" + where[0].split(":")[1]], where
