@@ -1,11 +1,14 @@
 """OpenAI Chat Completions' and Completions' wire shapes as pydantic models: the request
-bodies, which are the only parser of those two endpoints (`protocol` turns a parsed body
-into the neutral request), and the responses the OpenAPI document describes.
+bodies, which are the only parser of those two endpoints (`chat.to_request` turns a parsed
+body into the neutral request), and the responses the OpenAPI document describes.
 
 Types are strict, as the document says (no "1" for 1, no 1 for true); an integer may be
-written 3.0. Extra request fields are allowed (OpenAI clients send `user`, `metadata`,
-`store`, ...): the ones that would change the output are refused by name
-(`protocol.UNIMPLEMENTED`).
+written 3.0. A body's fields the models do not name follow every API's policy
+(`door.Unmodeled`): the ones OpenAI clients send that cannot change the answer (`user`,
+`metadata`, `store`, ...) are accepted and ignored (`IGNORED`), the ones that would change
+it are refused unless given their no-op value (`NOOP`), any other is a 400 naming it. A
+message's, a tool's or an option object's own extra fields are accepted (clients send an
+earlier answer back whole: `refusal`, `annotations`, ...).
 """
 
 from __future__ import annotations
@@ -17,10 +20,37 @@ from pydantic_core import PydanticCustomError
 
 from specdec.types import FinishReason
 
-from .door import Float, Int, integral, within_context
+from .door import Float, Int, Unmodeled, integral, within_context
 from .openapi import GENERATE_RESPONSES
 
 # -- requests ---------------------------------------------------------------------------------
+# Fields OpenAI clients send that cannot change the answer: accepted and ignored.
+IGNORED = frozenset({"metadata", "user", "store", "service_tier", "safety_identifier",
+                     "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"})
+CHANGES = "it would change the output, and this server does not implement it"
+# Fields that change what a request means and that this server does not implement: a 400
+# naming them (never silently ignored), unless given their no-op value.
+NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "legacy function calling is not implemented: give tools"),
+    "function_call": ((None, "none"), "legacy function calling is not implemented: give "
+                                      "tool_choice"),
+    "presence_penalty": ((None, 0, 0.0), CHANGES), "frequency_penalty": ((None, 0, 0.0), CHANGES),
+    "repetition_penalty": ((None, 1, 1.0), CHANGES), "min_p": ((None, 0, 0.0), CHANGES),
+    "best_of": ((None, 1), CHANGES), "echo": ((None, False), CHANGES),
+    "suffix": ((None, ""), CHANGES), "prediction": ((None,), CHANGES),
+    "audio": ((None,), "text output only"), "modalities": ((None, ["text"]), "text output only"),
+    "verbosity": ((None, "medium"), "only the default verbosity"),
+    "web_search_options": ((None,), "web search is not available here"),
+    "moderation": ((None,), "moderation is not implemented"),
+    "guided_decoding_backend": ((None,), CHANGES), "guided_whitespace_pattern": ((None,), CHANGES),
+    # llama.cpp's top-level constraint fields: the constraint goes in `structured_outputs`
+    **{k: ((None,), f'give it as structured_outputs: {{"{kind}": ...}}')
+       for k, kind in (("grammar", "grammar"), ("json_schema", "json"), ("regex", "regex"))}}
+CHAT_UNMODELED = Unmodeled(IGNORED, NOOP)
+COMPLETION_UNMODELED = Unmodeled(IGNORED, {
+    **NOOP, "response_format": ((None,), "/v1/completions takes no response_format; use "
+                                         "structured_outputs"),
+    "tools": ((None, []), "/v1/completions takes no tools")})
 FAIL_FAST = Field(fail_fast=True)  # a long list's first bad item is its error, not every one
 TOKEN_ID_DIGITS = 20  # a logit_bias key: a token id, written in at most this many digits
 
@@ -203,12 +233,18 @@ class _Sampling(_Open):
                           Field(json_schema_extra={"additionalProperties": False})] | None = Field(
         None, description="token id (a string of digits) -> bias in [-100, 100]")
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' kinds
+    guided_json: Any = Field(None, description="structured_outputs.json")
+    guided_regex: Any = Field(None, description="structured_outputs.regex")
+    guided_choice: Any = Field(None, description="structured_outputs.choice")
+    guided_grammar: Any = Field(None, description="structured_outputs.grammar")
     num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
     draft_masking: bool | None = None
     prompt_lookup: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra=CHAT_UNMODELED.document)
     messages: Annotated[list[ChatMessage], within_context("turns")] = Field(
         min_length=1, fail_fast=True)
     max_completion_tokens: Int | None = Field(None, ge=1)
@@ -232,6 +268,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra=COMPLETION_UNMODELED.document)
     prompt: Annotated[
         Annotated[str, Tag("text"), Field(min_length=1)] | Annotated[TokenIds, Tag("ids")]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Tag("texts"),

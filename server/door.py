@@ -21,9 +21,10 @@ import json
 import logging
 import math
 import re
+import reprlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -74,6 +75,47 @@ def within_context(what: str, count: Callable[[list[Any]], int] = len) -> Before
                                       {"n": n, "what": what, "limit": limit})
         return v
     return BeforeValidator(check)
+
+
+# -- the fields a body's model does not name (every API's one policy) ---------------------------
+@dataclass(frozen=True)
+class Unmodeled:
+    """What an API does with a body field its pydantic model does not name (its model takes
+    them as extras): a field client libraries send by default and that cannot change the
+    answer is accepted and ignored; a field that would change it is a 400 naming it, unless
+    given its no-op value (a 400 code `unsupported_parameter`: never silently ignored).
+
+    Attributes:
+        ignored: accepted and ignored.
+        noop: refused unless given one of its no-op values: name -> (values, why others
+            are refused).
+    """
+
+    ignored: frozenset[str]
+    noop: Mapping[str, tuple[tuple[Any, ...], str]]
+
+    def refuse(self, body: BaseModel) -> None:
+        """Raises:
+            WireError: 400 naming the first field of the body this server does not take."""
+        for name, v in (body.model_extra or {}).items():
+            if name in self.ignored:
+                continue
+            if name not in self.noop:
+                raise bad_request(f"unknown parameter {name!r}: this server does not "
+                                  "implement it", name, "unsupported_parameter")
+            values, why = self.noop[name]
+            if not any(v is n or (type(v) is type(n) and v == n) for n in values):
+                raise bad_request(f"{name}={reprlib.repr(v)} is not supported: {why}", name,
+                                  "unsupported_parameter")
+
+    def document(self, schema: dict[str, Any]) -> None:
+        """A model's `json_schema_extra`: the document names these fields too, and no
+        others."""
+        props = schema.setdefault("properties", {})
+        props.update({k: {"description": "accepted and ignored"} for k in sorted(self.ignored)})
+        props.update({k: {"description": f"refused unless one of {list(noop)}: {why}"}
+                      for k, (noop, why) in self.noop.items()})
+        schema["additionalProperties"] = False
 
 
 @dataclass(frozen=True)
