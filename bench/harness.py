@@ -36,8 +36,10 @@ class ArmResult:
 
     rounds_items: int = 1
 
-    def total(self, attr: str) -> float:
-        return float(sum(getattr(s, attr) for s in self.stats))
+    def total(self, counter: str) -> float:
+        """A counter summed over the arm's requests, by its wire name (`SpecStats.as_dict`:
+        `proposed`, `drafted_accepted`, ...)."""
+        return float(sum(s.counters.as_dict()[counter] for s in self.stats))
 
 
 Arm = Callable[[Any, list[int], Constraint, int], Any]  # (engine, ids, constraint, n) -> result

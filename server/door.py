@@ -579,10 +579,9 @@ def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> di
     c = stats.counters
     return {"seed": run.request.sampling.seed, "k": stats.k, "steps": c.steps,
             "rounds": c.rounds, "proposed": c.proposed, "accepted": c.accepted,
-            "acceptance_rate": round(c.acceptance_rate, 4), "forced": c.forced,
-            "looked_up": c.looked_up, "suffixed": c.suffixed, "drafted": c.drafted,
-            "drafted_accepted": c.drafted_accepted, "branched": c.branched,
-            "branched_accepted": c.branched_accepted, "grammar_cuts": c.grammar_cuts,
+            "acceptance_rate": round(c.acceptance_rate, 4),
+            **c.source_counts(),  # by source and on branches: `forced`, `forced_accepted`, ...
+            "grammar_cuts": c.grammar_cuts,
             "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
             "seconds": round(stats.seconds, 6), "warnings": list(warnings),
             **({"spec_off": c.spec_off} if getattr(c, "spec_off", "") else {})}

@@ -5,6 +5,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from specdec.speculative import SpecStats
+
+
+def source_metric(name: str) -> str:
+    """The counter of a `SpecStats.source_counts` entry: `draft_<name>_total`, the draft
+    model's as `draft_model_total` and `draft_model_accepted_total`."""
+    return f"draft_{name.replace('drafted', 'model', 1)}_total"
+
 
 class Metrics:
     """Monotonic counters updated by the HTTP handlers (thread-safe)."""
@@ -14,10 +22,8 @@ class Metrics:
         self.c: dict[str, float] = {
             "requests_total": 0, "requests_constrained_total": 0, "request_errors_total": 0,
             "prompt_tokens_total": 0, "completion_tokens_total": 0,
-            "draft_proposed_total": 0, "draft_accepted_total": 0, "draft_forced_total": 0,
-            "draft_looked_up_total": 0, "draft_suffixed_total": 0,
-            "draft_suffixed_accepted_total": 0, "draft_model_total": 0, "draft_model_accepted_total": 0,
-            "draft_branched_total": 0, "draft_branched_accepted_total": 0,
+            "draft_proposed_total": 0, "draft_accepted_total": 0,
+            **{source_metric(name): 0 for name in SpecStats().source_counts()},
             "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
             "requests_rejected_total": 0,
         }
@@ -27,17 +33,11 @@ class Metrics:
             for k, v in kv.items():
                 self.c[k] += v
 
-    def observe(self, prompt_tokens: int, completion_tokens: int, stats: Any,
+    def observe(self, prompt_tokens: int, completion_tokens: int, stats: SpecStats,
                 seconds: float) -> None:
         self.add(prompt_tokens_total=prompt_tokens, completion_tokens_total=completion_tokens,
                  draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
-                 draft_forced_total=stats.forced, draft_looked_up_total=stats.looked_up,
-                 draft_suffixed_total=stats.suffixed,
-                 draft_suffixed_accepted_total=stats.suffixed_accepted,
-                 draft_model_total=stats.drafted,
-                 draft_model_accepted_total=stats.drafted_accepted,
-                 draft_branched_total=stats.branched,
-                 draft_branched_accepted_total=stats.branched_accepted,
+                 **{source_metric(k): v for k, v in stats.source_counts().items()},
                  grammar_cuts_total=stats.grammar_cuts,
                  mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
 

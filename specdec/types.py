@@ -8,6 +8,7 @@ never the other way round.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
@@ -30,3 +31,12 @@ class ProposalSource(str, Enum):
     LOOKED_UP = "looked_up"  # prompt lookup: a legal continuation of a repeated n-gram
     SUFFIXED = "suffixed"  # earlier answers (`lookup.SuffixStore`)
     DRAFTED = "drafted"  # the draft model
+
+
+@dataclass
+class SourceCount:
+    """One source's proposals in a request and how many of them the target accepted
+    (`SpecStats.sources`; mutable accumulator)."""
+
+    proposed: int = 0
+    accepted: int = 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from specdec.types import ProposalSource
+
 CELLS: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [identical, total]
 
 
@@ -27,10 +29,12 @@ SOURCES: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [accepted
 def record_sources(name: str, stats) -> None:
     """Count proposals by source (lookup, earlier answers, draft model) so the summary shows
     they ran."""
-    for src in ("looked_up", "suffixed", "drafted", "branched"):
-        if getattr(stats, src):
-            SOURCES[f"{name}, {src}"][0] += getattr(stats, src + "_accepted")
-            SOURCES[f"{name}, {src}"][1] += getattr(stats, src)
+    counts = stats.source_counts()  # `SpecStats`' record, under its wire names
+    for src, proposed in counts.items():
+        # (grammar-forced tokens are left out: no proposer to show running)
+        if proposed and not src.endswith("_accepted") and src != ProposalSource.FORCED:
+            SOURCES[f"{name}, {src}"][0] += counts[src + "_accepted"]
+            SOURCES[f"{name}, {src}"][1] += proposed
 
 
 NOTES: list[str] = []  # lines for the summary (e.g. the corpus seed)

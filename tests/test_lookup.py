@@ -120,10 +120,11 @@ def test_older_continuations_are_the_latest_of_each_other_token_bounded():
 
 def _tree_proposals(store, key, context, **spec):
     from specdec.sampling import SamplingParams
-    from specdec.speculative import SpecConfig, SpecStats, draft_steps
-    gen = draft_steps(None, [], context, 8, None, SamplingParams(),
-                      SpecConfig(4, suffix=True, **spec), SpecStats(), {0}, 64, 64, 0,
-                      earlier=store.indexes(key), tree=8)
+    from specdec.speculative import (DraftSide, Proposer, RequestView, RoundBounds,
+                                     SpecConfig, SpecStats)
+    req = RequestView(context, 0, {0}, SamplingParams(), SpecConfig(4, suffix=True, **spec),
+                      SpecStats(), 64, earlier=store.indexes(key))
+    gen = Proposer(req, DraftSide(None, [], 64), RoundBounds(8, tree=8)).steps()
     with pytest.raises(StopIteration) as done:
         next(gen)  # no draft model: nothing to ask for
     return done.value.value
