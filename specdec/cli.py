@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .config import EngineConfig
+
+DEFAULTS = EngineConfig()  # the shipped settings every flag below defaults to
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
@@ -39,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--choice", nargs="+", metavar="OPTION", help="output is one of these")
     g.add_argument("--lenient", action="store_true",
                    help="JSON schema: skip unimplemented keywords instead of refusing")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most output tokens (default {DEFAULTS.defaults.max_tokens}, within the "
+                        "context)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -90,32 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reasoning protocol thinking requests follow: harmony, gemma, "
                         "think, or a think tag such as '<seed:think>' (default: read from "
                         "what the chat template renders)")
-    s.add_argument("--compile-timeout", type=float, default=10.0,
-                   help="seconds a request's grammar may take to compile before it is a 400")
-    s.add_argument("--max-batch", type=int, default=8,
-                   help="requests decoded together (continuous batching)")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for a slot; more get 503 with Retry-After")
-    s.add_argument("--request-timeout", type=float, default=600.0,
+    # (the scheduler's limits: `server.door.ServeConfig`'s defaults, read when serving)
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together (continuous batching; default 8)")
+    s.add_argument("--max-queue", type=int, default=None,
+                   help="requests waiting for a slot; more get 503 with Retry-After "
+                        "(default 64)")
+    s.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival (waiting included) before "
-                        "it is stopped with a 504; 0 for no limit")
-    s.add_argument("--max-thinking-tokens", type=int, default=1024,
+                        "it is stopped with a 504 (default 600); 0 for no limit")
+    s.add_argument("--max-thinking-tokens", type=int, default=None,
                    help="most tokens a thinking request thinks before its answer when it "
-                        "gives no max_thinking_tokens (and at most half its max_tokens)")
-    s.add_argument("--max-kv-tokens", default="auto",
-                   help="most KV positions the decoding requests hold together (prompt + "
-                        "max_tokens + 17 each); more wait, one that cannot fit alone is a 400 "
-                        "('auto': a quarter of the machine's memory; 'none': no bound)")
-    # (defaults: `core.MaskBudget`'s, read after the BLAS choice has loaded MLX)
-    s.add_argument("--grammar-slow-mask", type=float, default=None,
-                   help="seconds (default 0.05): a request whose grammar mask takes longer "
-                        "decodes plainly, its masks filled off the batch's rounds")
-    s.add_argument("--grammar-mask-limit", type=float, default=None,
-                   help="seconds (default 2) one grammar mask may take before its request "
-                        "is stopped (grammar_too_complex)")
-    s.add_argument("--grammar-budget", type=float, default=None,
-                   help="seconds (default 30) of grammar mask work one request may spend "
-                        "in all before it is stopped (grammar_too_complex)")
+                        f"gives no max_thinking_tokens (and at most half its max_tokens; "
+                        f"default {DEFAULTS.defaults.max_thinking_tokens})")
     _add_spec_args(s)
     for p in sub.choices.values():  # every subcommand runs MLX (`launch`: on its ranks)
         _add_blas_arg(p)
@@ -132,18 +125,20 @@ def _add_blas_arg(p: argparse.ArgumentParser) -> None:
                         "bitwise independent of the batch), 'auto' (OpenBLAS when installed)")
 
 
-TREE_DEFAULT = 4  # `--tree`: see README, Performance (tree_over_chain_c1)
-
-
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-model", default="auto",
+    """The engine's settings (`config.EngineConfig`); a flag left out keeps its shipped
+    default, so `specdec generate`, `specdec serve` and `Engine.load()` decode alike."""
+    spec = DEFAULTS.spec
+    p.add_argument("--draft-model", default=None,
                    help="speculative draft: 'auto' (the shipped distilled draft when the target "
                         "is the embedded default, else none), a local mlx-lm directory, 'self' "
-                        "(the target as its own draft) or 'none'")
-    p.add_argument("--draft-min-prob", type=float, default=0.3,
+                        "(the target as its own draft) or 'none' (default "
+                        f"{DEFAULTS.draft!r})")
+    p.add_argument("--draft-min-prob", type=float, default=None,
                    help="end a round's drafting when the draft model gives its pick less than "
-                        "this probability (0: always draft k tokens)")
-    p.add_argument("--draft-max-batch", default="auto",
+                        f"this probability (0: always draft k tokens; default "
+                        f"{spec.draft_min_prob})")
+    p.add_argument("--draft-max-batch", default=None,
                    help="run the draft model in batched rounds only while at most this many "
                         "requests draft; larger rounds propose grammar-forced and looked-up "
                         "tokens only ('auto': 4 on the CPU backend, no limit on a GPU; "
@@ -153,16 +148,17 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-suffix", action="store_true",
                    help="do not propose tokens from earlier answers (answers to the same "
                         "grammar first, then any; kept in memory, bounded)")
-    p.add_argument("--tree", type=int, default=TREE_DEFAULT,
+    p.add_argument("--tree", type=int, default=None,
                    help="most branch tokens a round adds to its chain of proposals (token "
                         "trees, verified in one forward; shared out across a batch, none "
-                        "where the draft model is left out); 0: chains only")
-    p.add_argument("--tree-min-score", default="auto",
+                        f"where the draft model is left out); 0: chains only (default "
+                        f"{spec.tree})")
+    p.add_argument("--tree-min-score", default=None,
                    help="a branch's least estimated chance of being reached and accepted; "
                         "'auto': priced by what verify rows cost now (wide trees where rows "
                         "are cheap, chains where a full batch waits on them)")
-    p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=4,
-                   help="tokens proposed per speculative round (1..16)")
+    p.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=None,
+                   help=f"tokens proposed per speculative round (1..16; default {spec.k})")
     p.add_argument("--no-draft-masking", action="store_true",
                    help="let the draft propose unmasked (the verify backstop cuts)")
     p.add_argument("--no-forced-drafting", action="store_true",
@@ -170,6 +166,25 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-jump-forward", action="store_true",
                    help="with no draft model, decode constrained requests one token per "
                         "forward instead of feeding runs of grammar-forced tokens at once")
+    p.add_argument("--compile-timeout", type=float, default=None,
+                   help="seconds a request's grammar may take to compile before it is "
+                        f"refused (default {DEFAULTS.defaults.compile_timeout_s:g}); 0 for no "
+                        "limit")
+    p.add_argument("--max-kv-tokens", default=None,
+                   help="most KV positions the decoding requests hold together (prompt + "
+                        "max_tokens + 17 each); more wait, one that cannot fit alone is a 400 "
+                        "('auto', the default: a quarter of the machine's memory; 'none': no "
+                        "bound)")
+    masks = DEFAULTS.masks
+    p.add_argument("--grammar-slow-mask", type=float, default=None,
+                   help=f"seconds (default {masks.slow_s:g}): a request whose grammar mask "
+                        "takes longer decodes plainly, its masks filled off the batch's rounds")
+    p.add_argument("--grammar-mask-limit", type=float, default=None,
+                   help=f"seconds (default {masks.mask_s:g}) one grammar mask may take before "
+                        "its request is stopped (grammar_too_complex)")
+    p.add_argument("--grammar-budget", type=float, default=None,
+                   help=f"seconds (default {masks.total_s:g}) of grammar mask work one request "
+                        "may spend in all before it is stopped (grammar_too_complex)")
 
 
 def _reasoning_format(name: str | None) -> str | None:
@@ -194,61 +209,68 @@ def _tree_min_score(value: str) -> float | None:
                          "or 'auto'")
 
 
-def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) -> Any:
-    """Load the target (and draft) named on the command line into an Engine (the target
-    sharded over `shard_group` when given; the draft whole on every rank)."""
-    from . import load
-    from .core import MaskBudget
-    from .engine import Engine, EngineDefaults
-    from .speculative import SpecConfig
-
-    from .models import DEFAULT_DRAFT, DEFAULT_MODEL
-
-    target = load(model, shard_group=shard_group)
-    draft = None
-    name = args.draft_model
-    if name == "auto":
-        name = DEFAULT_DRAFT if model == DEFAULT_MODEL else "none"
-    if name == "self":
-        draft = target
-    elif name not in ("none", "", None):
-        draft = load(name)
-    spec = SpecConfig(args.k, not args.no_draft_masking, not args.no_forced_drafting,
-                      lookup=not args.no_lookup, suffix=not args.no_suffix,
-                      draft_min_prob=args.draft_min_prob, tree=args.tree,
-                      tree_min_score=_tree_min_score(args.tree_min_score))
-    limit = args.draft_max_batch
-    if limit not in ("auto", "none"):
-        try:
-            limit = int(limit)
-        except ValueError:
-            raise SystemExit(f"specdec: error: --draft-max-batch {limit!r}: an integer, "
-                             "'auto' or 'none'")
-    serving = args.cmd == "serve"
-    template = getattr(args, "chat_template", None)
-    defaults = EngineDefaults(
-        max_thinking_tokens=args.max_thinking_tokens if serving else EngineDefaults().
-        max_thinking_tokens,
-        compile_timeout_s=args.compile_timeout if serving else None,
-        chat_template=Path(template).read_text() if template else None,
-        reasoning_format=_reasoning_format(getattr(args, "reasoning_format", None)))
-    kv: Any = getattr(args, "max_kv_tokens", "auto")
-    if kv not in ("auto", "none"):
-        try:
-            kv = int(kv)
-        except ValueError:
-            raise SystemExit(f"specdec: error: --max-kv-tokens {kv!r}: an integer, 'auto' "
-                             "or 'none'")
-    given = {"slow_s": getattr(args, "grammar_slow_mask", None),
-             "mask_s": getattr(args, "grammar_mask_limit", None),
-             "total_s": getattr(args, "grammar_budget", None)}
+def _choice(flag: str, value: str | None, words: tuple[str, ...]) -> Any:
+    """A flag that takes an integer or one of `words` (None: not given)."""
+    if value is None or value in words:
+        return value
     try:
-        masks = MaskBudget(**{k: v for k, v in given.items() if v is not None})
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"specdec: error: {flag} {value!r}: an integer or "
+                         + " or ".join(repr(w) for w in words))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The command line's engine settings: the shipped ones (`EngineConfig()`) with the
+    fields its flags give replaced."""
+    from dataclasses import replace
+
+    from .config import MaskBudget
+
+    c = DEFAULTS
+    spec = {"k": args.k, "draft_min_prob": args.draft_min_prob, "tree": args.tree}
+    spec = {k: v for k, v in spec.items() if v is not None}
+    if args.tree_min_score is not None:
+        spec["tree_min_score"] = _tree_min_score(args.tree_min_score)
+    for flag, name in (("no_draft_masking", "draft_masking"),
+                       ("no_forced_drafting", "forced_drafting"), ("no_lookup", "lookup"),
+                       ("no_suffix", "suffix")):
+        if getattr(args, flag):
+            spec[name] = False
+    template = getattr(args, "chat_template", None)
+    defaults = {"chat_template": Path(template).read_text() if template else None,
+                "reasoning_format": _reasoning_format(getattr(args, "reasoning_format", None))}
+    if args.compile_timeout is not None:
+        defaults["compile_timeout_s"] = args.compile_timeout or None
+    if args.cmd == "serve" and args.max_thinking_tokens is not None:
+        defaults["max_thinking_tokens"] = args.max_thinking_tokens
+    masks = {"slow_s": args.grammar_slow_mask, "mask_s": args.grammar_mask_limit,
+             "total_s": args.grammar_budget}
+    try:
+        budget = replace(c.masks, **{k: v for k, v in masks.items() if v is not None})
     except ValueError as e:
         raise SystemExit(f"specdec: error: {e}")
-    return Engine(target, draft, spec, jump_forward=not args.no_jump_forward,
-                  draft_max_batch=None if limit == "none" else limit, defaults=defaults,
-                  masks=masks, max_kv_tokens=None if kv == "none" else kv)
+    changes: dict[str, Any] = {
+        "spec": replace(c.spec, **spec), "masks": budget,
+        "defaults": replace(c.defaults, **defaults),
+        "jump_forward": c.jump_forward and not args.no_jump_forward}
+    if args.draft_model is not None:
+        changes["draft"] = args.draft_model
+    limit = _choice("--draft-max-batch", args.draft_max_batch, ("auto", "none"))
+    if limit is not None:
+        changes["draft_max_batch"] = None if limit == "none" else limit
+    kv = _choice("--max-kv-tokens", args.max_kv_tokens, ("auto", "none"))
+    if kv is not None:
+        changes["max_kv_tokens"] = None if kv == "none" else kv
+    return replace(c, **changes)
+
+
+def build_engine(model: str, args: argparse.Namespace, shard_group: Any = None) -> Any:
+    """The Engine the command line names (`Engine.load` with `engine_config(args)`; the
+    target sharded over `shard_group` when given, the draft whole on every rank)."""
+    from .engine import Engine
+
+    return Engine.load(model, engine_config(args), shard_group=shard_group)
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -333,7 +355,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for t in result.tokens:
             m.consume_token(t)
         if not m.is_accepting():
-            print(f"specdec: the output was cut at --max-tokens {args.max_tokens} before the "
+            print(f"specdec: the output was cut at --max-tokens {req.max_tokens} before the "
                   "constraint was complete, so it does not match it; raise --max-tokens",
                   file=sys.stderr)
             return EXIT_INCOMPLETE
@@ -386,23 +408,36 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
+    """The server's settings (`server.door.ServeConfig`) the command line gives: its
+    defaults where no flag gives one (--request-timeout 0: no time limit)."""
+    from dataclasses import replace
+
+    from server.door import ServeConfig
+
+    given = {"max_batch": args.max_batch, "max_queue": args.max_queue,
+             "request_timeout_s": args.request_timeout}
+    return replace(ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
+                               channel=channel),
+                   **{k: v or None if k == "request_timeout_s" else v
+                      for k, v in given.items() if v is not None})
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.app import serve  # the launcher lives with the server
-    from server.door import ServeConfig
 
     from . import distributed
 
     g = distributed.group()  # started by mlx.launch: the target is sharded over the ranks
     engine = build_engine(args.model, args, shard_group=g)
     channel = distributed.Channel(g) if g is not None else None
+    config = serve_config(args, channel)
     if channel is not None and channel.rank != 0:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        return distributed.follow(engine, channel, args.max_batch)
-    serve(engine, ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              max_batch=args.max_batch, max_queue=args.max_queue,
-                              request_timeout_s=args.request_timeout or None, channel=channel))
+        return distributed.follow(engine, channel, config.max_batch)
+    serve(engine, config)
     return 0
 
 

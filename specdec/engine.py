@@ -27,7 +27,8 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from .chat import NO_THINK_KWARGS, render_chat, render_thinking
-from .core import DecodeState, MaskBudget, Models, new_state
+from .config import EngineConfig, EngineDefaults, MaskBudget
+from .core import DecodeState, Models, new_state
 from .decode import PromptKVCache
 from .errors import ChatTemplateError, CompileTimeout, DraftConfigError, RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
@@ -53,28 +54,6 @@ __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRe
 # and 10% at 16, where the fp32 forward is compute-bound and forced and looked-up proposals
 # already fill the verify rows; bench row `draft_left_out_over_kept_c8` checks it at 8.
 CPU_DRAFT_MAX_BATCH = 4
-
-
-@dataclass(frozen=True)
-class EngineDefaults:
-    """What a request gets when it leaves a field out, and the limits `prepare` applies.
-
-    Attributes:
-        max_tokens: most output tokens (within the context length).
-        max_thinking_tokens: a thinking request's budget when it gives none (and at most
-            half its max_tokens).
-        compile_timeout_s: most seconds a constraint may take to compile (None: no limit).
-        chat_template: a Jinja template overriding the model's.
-        reasoning_format: the reasoning protocol thinking requests follow (`chat.
-            protocol_named`: harmony, gemma, think, or a think tag) instead of the one read
-            from the rendered template.
-    """
-
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    max_thinking_tokens: int = 1024
-    compile_timeout_s: float | None = None
-    chat_template: str | None = None
-    reasoning_format: str | None = None
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -139,6 +118,13 @@ class Engine:
                  masks: MaskBudget = MaskBudget(),
                  parser_limits: dict[str, int] | None = None,
                  max_kv_tokens: int | None | Literal["auto"] = "auto") -> None:
+        # what it was built with (`Engine.load` sets the config it was given)
+        self.config = EngineConfig(draft="none" if draft is None else
+                                   "self" if draft is target else draft.name,
+                                   spec=spec, jump_forward=jump_forward,
+                                   draft_max_batch=draft_max_batch, defaults=defaults,
+                                   masks=masks, max_kv_tokens=max_kv_tokens,
+                                   parser_limits=parser_limits)
         if draft is not None:
             check_draft(target, draft)
         if draft_max_batch == "auto":
@@ -178,6 +164,34 @@ class Engine:
         self.request_timeout_s: float | None = None
         self._replicas = False
         self._formats: dict[str, ToolFormat] = {}
+
+    @classmethod
+    def load(cls, model: str = "default", config: EngineConfig = EngineConfig(), *,
+             shard_group: Any = None) -> "Engine":
+        """A model served as `specdec serve` serves it: `Engine.load()` is the embedded
+        default model with its distilled draft and the shipped settings (`EngineConfig()`),
+        so a library user decodes exactly as the server and the CLI do.
+
+        Args:
+            model: "default" (the embedded model), a local mlx-lm directory, or a repo id in
+                the local Hugging Face cache (`models.load`).
+            config: the settings (`dataclasses.replace(EngineConfig(), ...)` to change some).
+            shard_group: MLX's distributed group to shard the target over (`distributed`).
+        Raises:
+            ModelNotFoundError: the model (or the draft) is not here. DraftConfigError: a
+                draft that cannot serve the target.
+        """
+        from .models import load
+
+        target = load(model, shard_group=shard_group)
+        name = config.draft_for(model)
+        draft = None if name is None else target if name == "self" else load(name)
+        engine = cls(target, draft, config.spec, jump_forward=config.jump_forward,
+                     draft_max_batch=config.draft_max_batch, defaults=config.defaults,
+                     masks=config.masks, parser_limits=config.parser_limits,
+                     max_kv_tokens=config.max_kv_tokens)
+        engine.config = config
+        return engine
 
     # -- the scheduler -------------------------------------------------------------------
     def start(self, *, max_batch: int = 8, max_queue: int = 64,

