@@ -2,7 +2,7 @@
 
 A round over a set of requests:
 1. Propose, per request: grammar-forced tokens, prompt lookup, the draft model (the
-   proposers of `speculative.draft_steps`); a plain request (`spec is None`) proposes nothing.
+   request's `speculative.Proposer`); a plain request (`spec is None`) proposes nothing.
 2. Verify: one target forward over every request's rows ([last token, proposals...];
    ragged: each request its own length, its own KV cache; `ragged.forward`), queued
    asynchronously while the host fills every request's mask rows on a matcher copy
@@ -51,8 +51,9 @@ from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, Inter
 from .config import MaskBudget
 from .events import TokenLogprob
 from .types import DecodeFinish, TokenId
-from .speculative import (TREE_MIN_SCORE, Proposals, SpecConfig, SpecStats, TreeCosts, _trim,
-                          draft_steps, tree_masks, tree_path, verify_masks)
+from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Proposals, Proposer, RequestView,
+                          RoundBounds, SpecConfig, SpecStats, TreeCosts, _trim, tree_masks,
+                          tree_path, verify_masks)
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
@@ -212,6 +213,32 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
             wider than the target's.
         GrammarStateError: the matcher is already in an error state.
     """
+    _check_request(models, prompt, max_tokens, params)
+    if matcher is not None:
+        check_matcher(matcher, 0)
+    # The most positions it can hold: a slab slot, or storage of its own when that is more
+    # than a slot holds (`ragged.SLOT_POSITIONS`), so one long request sizes no other's.
+    horizon = len(prompt) + max_tokens + (spec.cheap_k + spec.tree + 1 if spec is not None
+                                          else 1)
+    s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
+                    stats if stats is not None else SpecStats(),
+                    ragged.make_cache(models.target, horizon), [], list(prompt))
+    if spec is not None:
+        _fit_speculation(models, s, horizon)
+    s.bias = bias_vector(params, models.vocab_size)
+    s.logprobs = logprobs
+    s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
+    if s.spec is not None and s.spec.lookup:
+        s.index = NgramIndex(s.seq)
+    if s.spec is not None and s.spec.suffix and suffixes is not None:
+        s.suffixes, s.suffix_key = suffixes, suffix_key
+    s.ask_next_mask(models.vocab_size)  # fills while the prompt is prefilled
+    return s
+
+
+def _check_request(models: Models, prompt: Sequence[TokenId], max_tokens: int,
+                   params: SamplingParams) -> None:
+    """Raise ValueError for what no request may ask (`new_state`)."""
     if not prompt:
         raise ValueError("prompt must contain at least one token")
     if max_tokens < 1:
@@ -221,43 +248,27 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     if models.draft is not None and models.draft_vocab_size > models.vocab_size:
         raise ValueError(f"draft vocabulary {models.draft_vocab_size} exceeds the target's "
                          f"{models.vocab_size}")
-    if matcher is not None:
-        check_matcher(matcher, 0)
-    stats = stats if stats is not None else SpecStats()
-    # The most positions it can hold: a slab slot, or storage of its own when that is more
-    # than a slot holds (`ragged.SLOT_POSITIONS`), so one long request sizes no other's.
-    horizon = len(prompt) + max_tokens + (spec.cheap_k + spec.tree + 1 if spec is not None
-                                          else 1)
-    t_cache = ragged.make_cache(models.target, horizon)
-    d_cache: list = []
-    if spec is not None:
-        # Speculation needs caches that drop rejected proposals exactly; where one cannot,
-        # the request decodes plainly (or without the draft model), and says why.
-        why = ragged.untrimmable(t_cache, horizon)
+
+
+def _fit_speculation(models: Models, s: DecodeState, horizon: int) -> None:
+    """Give a speculative request its draft cache. Speculation needs caches that drop
+    rejected proposals exactly; where one cannot, the request decodes plainly (or without
+    the draft model), and says why (`SpecStats.spec_off`)."""
+    stats = s.stats
+    why = ragged.untrimmable(s.t_cache, horizon)
+    if why is not None:
+        stats.spec_off = f"plain decoding: target {why}"
+        s.spec = None
+    elif models.draft is not None:
+        s.d_cache = ragged.make_cache(models.draft, horizon)
+        why = ragged.untrimmable(s.d_cache, horizon)
         if why is not None:
-            stats.spec_off = f"plain decoding: target {why}"
-            spec = None
-        elif models.draft is not None:
-            d_cache = ragged.make_cache(models.draft, horizon)
-            why = ragged.untrimmable(d_cache, horizon)
-            if why is not None:
-                stats.spec_off = f"no draft model: draft {why}"
-                d_cache = []
-        if stats.spec_off:
-            level = logging.DEBUG if stats.spec_off in _SAID else logging.WARNING
-            _SAID.add(stats.spec_off)
-            log.log(level, "speculation limited: %s (said once per reason)", stats.spec_off)
-    s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
-                    stats, t_cache, d_cache, list(prompt))
-    s.bias = bias_vector(params, models.vocab_size)
-    s.logprobs = logprobs
-    s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
-    if spec is not None and spec.lookup:
-        s.index = NgramIndex(s.seq)
-    if spec is not None and spec.suffix and suffixes is not None:
-        s.suffixes, s.suffix_key = suffixes, suffix_key
-    s.ask_next_mask(models.vocab_size)  # fills while the prompt is prefilled
-    return s
+            stats.spec_off = f"no draft model: draft {why}"
+            s.d_cache = []
+    if stats.spec_off:
+        level = logging.DEBUG if stats.spec_off in _SAID else logging.WARNING
+        _SAID.add(stats.spec_off)
+        log.log(level, "speculation limited: %s (said once per reason)", stats.spec_off)
 
 
 def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = None) -> None:
@@ -432,7 +443,6 @@ def run_round(models: Models, states: Sequence[DecodeState],
         if not live:
             return
     props = [list(p.tokens) for p in proposed]
-    sources = [list(p.sources) for p in proposed]
     trees = [p.parents for p in proposed]
     # 2. Verify forward, queued; the host fills the mask rows meanwhile.
     t0 = time.perf_counter()
@@ -463,7 +473,9 @@ def run_round(models: Models, states: Sequence[DecodeState],
             continue
         if n_ok < len(props[i]):
             s.stats.grammar_cuts += 1
-            props[i], sources[i] = props[i][:n_ok], sources[i][:n_ok]
+            props[i] = props[i][:n_ok]
+            proposed[i] = proposed[i]._replace(tokens=props[i],
+                                               sources=proposed[i].sources[:n_ok])
             bitmask = bitmask[:n_ok + 1]
         masks[i] = bitmask
     # 3. Pick: every request's rows under its own mask, parameters and noise; one sync.
@@ -500,8 +512,8 @@ def run_round(models: Models, states: Sequence[DecodeState],
         s.stats.steps += 1
         if s.error is None:
             try:
-                _accept(s, props[i], sources[i], proposed[i].fed, picks[i].tolist(),
-                        widths[i], lps.get(i), trees[i], oks[i], proposed[i].chain)
+                _accept(s, proposed[i], Verdict(picks[i].tolist(), widths[i], oks[i],
+                                                lps.get(i)))
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -548,12 +560,10 @@ def _logprobs(x: mx.array, picks: mx.array, params: SamplingParams, n: int
 def _propose_all(models: Models, live: Sequence[DecodeState],
                  rows: dict[int, np.ndarray] | None = None, budget_s: float | None = None,
                  min_score: float = TREE_MIN_SCORE) -> tuple[list[Proposals], int]:
-    """Run every request's proposers (`speculative.draft_steps`) side by side: the draft
-    forwards they ask for at the same step run as one ragged forward, and their picks are
-    evaluated with one sync per step. Returns each request's `Proposals` (a request whose
-    proposer raised proposes nothing and gets its `error`) and how many draft forwards ran.
-    `rows`: each request's mask at its current state (by `id` of its state), where filled
-    already.
+    """Run every request's `speculative.Proposer` side by side (`_lockstep`). Returns each
+    request's `Proposals` (a request whose proposer raised proposes nothing and gets its
+    `error`) and how many draft forwards ran. `rows`: each request's mask at its current
+    state (by `id` of its state), where filled already.
 
     Token trees (`SpecConfig.tree`) need the target's batched layout; a round's requests
     share them out: n proposing requests get tree // n branch tokens each, so verify rows
@@ -562,38 +572,61 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
     open (`TreeCosts.threshold`; over 1: those requests propose chains)."""
     rows = rows or {}
     t0 = time.perf_counter()
-    out: list[Proposals] = [Proposals([], [])] * len(live)
-    gens: dict[int, Generator] = {}
-    asks: dict[int, tuple[str, object]] = {}
     proposing = [s for s in live if s.spec is not None and s.max_tokens - s.emitted > 1]
     with_draft = models.draft_max_batch is None or \
         sum(bool(s.d_cache) for s in proposing) <= models.draft_max_batch
     trees_ok = with_draft and ragged.supports(models.target)
+    gens: dict[int, Generator[Ask, object, Proposals]] = {}
     for i, s in enumerate(live):
         if s.spec is None or s.max_tokens - s.emitted <= 1:
             continue
-        if s.index is not None:
-            s.index.extend(s.seq[len(s.index.tokens):])
-        # Left out, the draft cache catches up with the next draft forward (it feeds what
-        # the cache lacks).
-        draft = models.draft if s.d_cache and with_draft else None
-        if s.d_cache and not with_draft:
-            s.stats.draft_load_skips += 1
-        # Batched, no forced/looked-up run-on past k (see `draft_steps`).
-        gens[i] = draft_steps(draft, s.d_cache, s.seq, s.max_tokens - s.emitted - 1, s.matcher,
-                              s.params, s.spec, s.stats, set(s.eos), models.vocab_size,
-                              models.draft_vocab_size if draft is not None
-                              else models.vocab_size, s.emitted, s.index,
-                              run_on=len(live) == 1,
-                              space=getattr(models.draft, "space", None),
-                              row0=rows.get(id(s)), budget_s=budget_s,
-                              earlier=(s.suffixes.indexes(s.suffix_key)
-                                       if s.suffixes is not None else ()),
-                              tree=(s.spec.tree // len(proposing) if trees_ok and (
-                                  s.spec.tree_min_score is not None or min_score <= 1.0)
-                                    else 0),
-                              min_score=min_score)
-        asks[i] = ("start", None)
+        tree = s.spec.tree // len(proposing) if trees_ok and (
+            s.spec.tree_min_score is not None or min_score <= 1.0) else 0
+        # Batched, no forced/looked-up run-on past k (`RoundBounds.run_on`).
+        bounds = RoundBounds(s.max_tokens - s.emitted - 1, run_on=len(live) == 1, tree=tree,
+                             min_score=min_score, row0=rows.get(id(s)), budget_s=budget_s)
+        gens[i] = Proposer(_request_view(models, s), _draft_side(models, s, with_draft),
+                           bounds).steps()
+    out, forwards = _lockstep(models, live, gens)
+    spent = (time.perf_counter() - t0) / max(1, sum(s.spec is not None for s in live))
+    for s, p in zip(live, out):
+        if s.spec is not None:
+            s.stats.draft_s += spent
+            s.stats.proposed += len(p.tokens)
+    return out, forwards
+
+
+def _request_view(models: Models, s: DecodeState) -> RequestView:
+    """A proposing request as its proposer reads it (its prompt-lookup index brought up to
+    date first)."""
+    assert s.spec is not None
+    if s.index is not None:
+        s.index.extend(s.seq[len(s.index.tokens):])
+    earlier = s.suffixes.indexes(s.suffix_key) if s.suffixes is not None else ()
+    return RequestView(s.seq, s.emitted, s.eos, s.params, s.spec, s.stats, models.vocab_size,
+                       s.matcher, s.index, earlier)
+
+
+def _draft_side(models: Models, s: DecodeState, with_draft: bool) -> DraftSide:
+    """The draft model as `s`'s proposer sees it this round. Left out (`with_draft` False),
+    the draft cache catches up with the next draft forward (it feeds what the cache lacks)."""
+    if s.d_cache and not with_draft:
+        s.stats.draft_load_skips += 1
+    draft = models.draft if s.d_cache and with_draft else None
+    return DraftSide(draft, s.d_cache,
+                     models.draft_vocab_size if draft is not None else models.vocab_size,
+                     getattr(models.draft, "space", None))
+
+
+def _lockstep(models: Models, live: Sequence[DecodeState],
+              gens: dict[int, Generator[Ask, object, Proposals]]
+              ) -> tuple[list[Proposals], int]:
+    """Drive proposers (`gens`, by index into `live`) in lock-step: the draft forwards they
+    ask for at the same step run as one ragged forward, and the arrays they ask evaluated
+    are evaluated with one sync per step. Returns each one's `Proposals` (empty for a
+    request without one) and how many draft forwards ran."""
+    out: list[Proposals] = [Proposals([], [])] * len(live)
+    asks: dict[int, Ask] = {i: ("start", None) for i in gens}
     replies: dict[int, object] = {i: None for i in gens}
     forwards = 0
     while gens:
@@ -619,39 +652,67 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
         evals = [a for i in gens if asks[i][0] == "eval" for a in asks[i][1]]
         if evals:
             mx.eval(evals)
-    spent = (time.perf_counter() - t0) / max(1, sum(s.spec is not None for s in live))
-    for s, p in zip(live, out):
-        if s.spec is not None:
-            s.stats.draft_s += spent
-            s.stats.proposed += len(p.tokens)
     return out, forwards
 
 
-def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
-            picks: list[int], width: int, lps: tuple[mx.array, ...] | None = None,
-            parents: list[int] | None = None, ok: list[bool] | None = None,
-            chain: int = 0) -> None:
-    """Emit the agreeing prefix (of a tree: the accepted branch, `tree_path`) and the bonus
-    pick; trim the caches (the target's was advanced by `width` proposals, including any the
-    backstop cut; a tree's accepted branch is first moved together, `ragged.keep_rows`)."""
-    if parents is None:
+@dataclass(frozen=True)
+class Verdict:
+    """What the target made of one request's proposals in a round.
+
+    Attributes:
+        picks: its pick at every verify row.
+        width: how many proposals its cache was advanced by (every one, cuts included).
+        ok: of a tree, which proposals may be accepted (`tree_masks`); None: all.
+        lps: the rows' logprobs (`_logprobs`), where the request asked for them.
+    """
+
+    picks: list[int]
+    width: int
+    ok: list[bool] | None = None
+    lps: tuple[mx.array, ...] | None = None
+
+
+def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
+    """Emit the agreeing prefix of the proposals `p` (of a tree: the accepted branch,
+    `tree_path`) and the bonus pick; count the accepted by source; trim the caches (the
+    target's was advanced by `v.width` proposals; a tree's accepted branch is first moved
+    together, `ragged.keep_rows`)."""
+    props, picks = p.tokens, v.picks
+    if p.parents is None:
         path = []
-        for j, p in enumerate(picks[:len(props)]):
-            if p != props[j]:
+        for j, pk in enumerate(picks[:len(props)]):
+            if pk != props[j]:
                 break
             path.append(j)
     else:
-        path = tree_path(props, parents, ok if ok is not None else [True] * len(props), picks)
+        path = tree_path(props, p.parents, v.ok if v.ok is not None else [True] * len(props),
+                         picks)
     rows = [0, *(j + 1 for j in path)]  # the verify row each emitted token is picked at
-    out = [props[j] for j in path] + [int(picks[rows[-1]])]
-    accepted = len(path)  # the last one is the target's own (bonus) pick
+    accepted = len(path)  # the last one emitted is the target's own (bonus) pick
     s.stats.accepted += accepted
-    n_chain = len(props) if parents is None else chain
+    n_chain = len(props) if p.parents is None else p.chain
     on_chain = next((k for k, j in enumerate(path) if j != k or j >= n_chain), accepted)
-    s.stats.branched_accepted += sum(j >= n_chain for j in path)
     for j in path:
-        src = sources[j]
-        setattr(s.stats, src + "_accepted", getattr(s.stats, src + "_accepted") + 1)
+        s.stats.accept(p.sources[j], branch=j >= n_chain)
+    n_emit = _emit(s, [props[j] for j in path] + [int(picks[rows[-1]])], rows, v.lps)
+    if n_emit is None:
+        return
+    # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
+    if p.parents is not None:  # (nothing moves when the branch is where a sequence would be)
+        ragged.keep_rows(s.t_cache, s.t_cache[0].offset - v.width, path)
+    _trim(s.t_cache, v.width - accepted)
+    # Draft cache holds a prefix of old seq + props[:fed] (the chain's); keep what agrees.
+    if s.d_cache:
+        base = len(s.seq) - n_emit
+        d_len = s.d_cache[0].offset
+        keep = min(d_len, base + min(p.fed, on_chain, n_chain))
+        _trim(s.d_cache, d_len - keep)
+
+
+def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
+          lps: tuple[mx.array, ...] | None) -> int | None:
+    """Emit `out` (each picked at verify row `rows[n]`), consumed by the matcher, until the
+    request ends; returns how many were emitted, None when it ended (finished or failed)."""
     n_emit = 0
     for t in out:
         if s.matcher is not None:
@@ -660,10 +721,10 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
                 check_matcher(s.matcher, s.emitted)
             except (GrammarStateError, GrammarRefused) as e:
                 s.error = e
-                return
+                return None
         if t in s.eos:
             s.finish = "stop"
-            return
+            return None
         s.seq.append(t)
         s.new_tokens.append(t)
         if lps is not None:
@@ -676,17 +737,8 @@ def _accept(s: DecodeState, props: list[TokenId], sources: list[str], fed: int,
         s.emitted += 1
         if s.matcher is not None and s.matcher.is_stopped():
             s.finish = "stop"
-            return
+            return None
         if s.emitted >= s.max_tokens:
             s.finish = "length"
-            return
-    # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
-    if parents is not None:  # (nothing moves when the branch is where a sequence would be)
-        ragged.keep_rows(s.t_cache, s.t_cache[0].offset - width, path)
-    _trim(s.t_cache, width - accepted)
-    # Draft cache holds a prefix of old seq + props[:fed] (the chain's); keep what agrees.
-    if s.d_cache:
-        base = len(s.seq) - n_emit
-        d_len = s.d_cache[0].offset
-        keep = min(d_len, base + min(fed, on_chain, n_chain))
-        _trim(s.d_cache, d_len - keep)
+            return None
+    return n_emit

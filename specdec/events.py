@@ -99,7 +99,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "counters"}
-        d.update(asdict(self.counters))
+        d.update(self.counters.as_dict())
         d["tokens_per_s"] = round(self.tokens_per_s, 3)
         d["acceptance_rate"] = round(self.counters.acceptance_rate, 4)
         return d

@@ -1,6 +1,6 @@
 """Speculative decoding under grammars: masked drafting, one-pass verify, exact acceptance.
 
-This module holds the proposers (`_draft`) and the verify-side masks (`verify_masks`); the
+This module holds the proposer (`Proposer`) and the verify-side masks (`verify_masks`); the
 round that uses them lives in `core.py`, shared by plain, speculative and batched decoding.
 Each round:
 1. Draft: a clone of the request's matcher (`deep_copy`) masks the draft model's logits, so
@@ -27,7 +27,8 @@ Each round:
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import llguidance.numpy as llnp
@@ -45,7 +46,10 @@ from .sampling import (SamplingParams, apply_mask, pick_scores, position_noise,
 
 from .errors import DraftConfigError  # noqa: F401
 from .config import MAX_TREE_NODES, SpecConfig  # noqa: F401
-from .types import MAX_DRAFT_TOKENS, TokenId
+from .types import MAX_DRAFT_TOKENS, ProposalSource, SourceCount, TokenId
+
+FORCED, LOOKED_UP = ProposalSource.FORCED, ProposalSource.LOOKED_UP
+SUFFIXED, DRAFTED = ProposalSource.SUFFIXED, ProposalSource.DRAFTED
 
 TREE_WIDTH = 3  # candidates a token tree reads at each drafted position
 
@@ -133,9 +137,10 @@ class SpecStats(StepTimings):
         rounds: draft/verify rounds.
         proposed: tokens proposed (forced, looked up or by the draft model).
         accepted: proposals equal to the target's pick.
-        forced, looked_up, suffixed, drafted: proposals by source (grammar-forced, prompt
-            lookup, earlier answers, draft model); `*_accepted`: how many of each the
-            target accepted.
+        sources: proposals by source (`ProposalSource`: grammar-forced, prompt lookup,
+            earlier answers, draft model) and how many of each the target accepted; counted
+            by `propose` and `accept`, read by their wire names (`source_counts`:
+            `forced`, `forced_accepted`, ..., also as attributes: `stats.looked_up`).
         branched, branched_accepted: proposals on a token tree's branches (off the chain;
             also counted by source), and how many of those were accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
@@ -149,14 +154,8 @@ class SpecStats(StepTimings):
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    forced: int = 0
-    forced_accepted: int = 0
-    looked_up: int = 0
-    looked_up_accepted: int = 0
-    suffixed: int = 0
-    suffixed_accepted: int = 0
-    drafted: int = 0
-    drafted_accepted: int = 0
+    sources: dict[ProposalSource, SourceCount] = field(
+        default_factory=lambda: {src: SourceCount() for src in ProposalSource})
     branched: int = 0
     branched_accepted: int = 0
     grammar_cuts: int = 0
@@ -169,21 +168,83 @@ class SpecStats(StepTimings):
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
+    def propose(self, src: ProposalSource, branch: bool = False) -> None:
+        """Count one proposal from `src` (`branch`: on a token tree's branch)."""
+        self.sources[src].proposed += 1
+        self.branched += branch
 
-# A branch candidate: (token, its estimated chance of acceptance, source, the run that
-# follows it: a lookup match's next tokens, () for the draft model's).
-Branch = tuple[TokenId, float, str, Sequence[TokenId]]
+    def accept(self, src: ProposalSource, branch: bool = False) -> None:
+        """Count one accepted proposal from `src` (`branch`: on a token tree's branch)."""
+        self.sources[src].accepted += 1
+        self.branched_accepted += branch
+
+    def rate(self, src: ProposalSource) -> float:
+        """`src`'s acceptance rate so far in this request, with a prior of 1/2."""
+        c = self.sources[src]
+        return (c.accepted + 1) / (c.proposed + 2)
+
+    def source_counts(self) -> dict[str, int]:
+        """The proposals and acceptances by source and on branches, under their wire names
+        (`forced`, `forced_accepted`, ..., `branched`, `branched_accepted`): what the
+        response's `specdec` extension, /metrics and the bench report."""
+        out: dict[str, int] = {}
+        for src, c in self.sources.items():
+            out[src.value], out[f"{src.value}_accepted"] = c.proposed, c.accepted
+        out["branched"], out["branched_accepted"] = self.branched, self.branched_accepted
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every counter under its wire name, in field order (`sources` spelled out)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "sources":
+                out.update(self.source_counts())
+            elif f.name not in out:
+                out[f.name] = getattr(self, f.name)
+        return out
+
+    def __getattr__(self, name: str) -> int:
+        """A source's counter read by its wire name (`stats.looked_up`,
+        `stats.drafted_accepted`): a view of `sources`, not a field."""
+        src, accepted = (name[:-len("_accepted")], True) if name.endswith("_accepted") \
+            else (name, False)
+        counts = self.__dict__.get("sources")
+        if counts is None or src not in ProposalSource._value2member_map_:
+            raise AttributeError(name)
+        c = counts[ProposalSource(src)]
+        return c.accepted if accepted else c.proposed
+
+
+class Branch(NamedTuple):
+    """A branch candidate at a chain position: its token, its estimated chance of being
+    accepted, its source, and the run that follows it (a lookup match's next tokens; () for
+    the draft model's)."""
+
+    token: TokenId
+    q: float
+    source: ProposalSource
+    follow: Sequence[TokenId]
+
+
+class BranchPoint(NamedTuple):
+    """A chain position branches may hang at: the position, the grammar's state there (None:
+    unconstrained), its candidates, and the chance of reaching it (the chain's pick
+    probabilities before it, and lookup's rates)."""
+
+    position: int
+    state: LLMatcher | None
+    options: list[Branch]
+    reach: float
 
 
 class Proposals(NamedTuple):
-    """A round's proposals (`draft_steps`): tokens, their sources ("forced" | "looked_up" |
-    "suffixed" | "drafted"), how many of them the draft cache holds, and, for a token tree,
-    each one's parent (-1: the context; None: a chain) with the chain's length (the tokens
-    before the first branch; the draft model fed those only) and the sum of the branch
-    tokens' scores (`TreeCosts`)."""
+    """A round's proposals (`Proposer`): tokens, their sources, how many of them the draft
+    cache holds, and, for a token tree, each one's parent (-1: the context; None: a chain)
+    with the chain's length (the tokens before the first branch; the draft model fed those
+    only) and the sum of the branch tokens' scores (`TreeCosts`)."""
 
     tokens: list[TokenId]
-    sources: list[str]
+    sources: list[ProposalSource]
     fed: int = 0
     parents: list[int] | None = None
     chain: int = 0
@@ -225,234 +286,344 @@ def _trim(cache: list, n: int) -> None:
             c.trim(n)
 
 
-def draft_steps(draft: nn.Module | None, d_cache: list, seq: list[TokenId], kk: int,
-           matcher: LLMatcher | None, params: SamplingParams, spec: SpecConfig,
-           stats: SpecStats, eos: set[int], vocab_size: int, draft_vocab: int, emitted: int,
-           index: NgramIndex | None = None, run_on: bool = True,
-           space: np.ndarray | None = None, row0: np.ndarray | None = None,
-           budget_s: float | None = None, earlier: Sequence[NgramIndex] = (), tree: int = 0,
-           min_score: float = TREE_MIN_SCORE) -> Generator[tuple[str, Any], Any, Proposals]:
-    """Propose up to kk tokens, each from the first source that has one: the grammar (a
-    forced token), prompt lookup (a legal continuation of a repeated n-gram), earlier
-    answers (`earlier`: a `SuffixStore`'s indexes, the same), the draft model.
+@dataclass(frozen=True)
+class RequestView:
+    """One request as its proposer reads it.
 
-    Returns the `Proposals`. The draft cache holds a prefix of `seq`; the tokens after it
-    are fed with the next draft forward. With masking off an illegal proposal puts the clone
-    in error, so drafting stops.
-
-    `tree`: up to this many more proposals, on branches off the chain (`SpecConfig.tree`):
-    at each drafted position the draft's other likeliest tokens (its top `TREE_WIDTH` by the
-    pick's own order, so under sampling by its noisy scores), and where the gate ended the
-    chain its pick too, scored by the draft's estimate of reaching and accepting them (the
-    product of the chain's pick probabilities before them, times theirs); the best over
-    `spec.tree_min_score` become branches, each followed by the tokens the grammar forces after
-    it (`min_score` where the spec leaves it to the engine, None: `TreeCosts.threshold`). At
-    each looked-up position, the other runs the prompt's index and the earlier
-    answers hold after the same context (other match lengths, other answers) become branches
-    too, scored by their source's acceptance rate in this request, each followed by the rest
-    of its run while that stays legal and over the threshold. The chain comes first
-    (proposals[i] under proposals[i - 1]), the branches after it. Branch tokens are never fed
-    to the draft model.
-
-    `space`: the draft's logits (the replies to "forward") are over its own pruned
-    vocabulary, column i being target id space[i], ascending (`MappedDraft.own_logits`); the
-    mask and the (seed, position) noise are read at those ids, so the pick is the one over
-    target-width logits (-inf off the draft's vocabulary), ties included, at a sixth of the
-    width.
-
-    `row0`: the matcher's mask at its current state, when already filled (the round's first
-    verify row); the first step reads it instead of filling it again. `budget_s`: stop
-    proposing once the round's fills took this long (`over_round_budget`).
+    Attributes:
+        seq: prompt + emitted tokens; emitted: how many were emitted.
+        eos: the end-of-sequence ids (nothing is proposed after one).
+        params, spec, stats: its sampling, speculative settings, and counters (`SpecStats`:
+            proposals are counted there, and the looked-up sources' rates read).
+        vocab_size: the grammar's width (the target's logits).
+        matcher: its grammar (None: unconstrained); never advanced, a clone is.
+        index: its prompt-lookup index (None: lookup off).
+        earlier: earlier answers' indexes (`SuffixStore.indexes`; (): none).
     """
-    props: list[TokenId] = []
-    sources: list[str] = []
-    if kk <= 0:
-        return Proposals(props, sources)
-    # The draft model proposes up to k per round; forced and looked-up tokens (no draft step,
-    # and usually accepted) may run on to 2k, capped by the token budget.
-    # run_on=False (a batched round: past ~16 rows every verify row costs compute that the
-    # other requests wait for, while a run that stops at k finishes next round): k in all.
-    k_model, kk = min(spec.k, kk), min(spec.cheap_k if run_on else spec.k, kk)
-    clone = None
-    if matcher is not None and (spec.draft_masking or spec.forced_drafting or index
-                                or earlier):
-        clone = matcher.deep_copy()
-    row = llnp.allocate_token_bitmask(1, vocab_size)  # the matcher's width: target logits
-    feed = seq[d_cache[0].offset:] if d_cache else []  # not yet in the draft cache
-    fed = 0
-    seed = params.seed or 0
-    cursor = LookupCursor(index, spec.lookup_min_ngram) if index is not None else None
-    suffix = SuffixCursor(earlier, spec.lookup_min_ngram) if earlier else None
-    max_n = max([i.max_n for i in earlier] + ([index.max_n] if index is not None else [1]))
-    tail = seq[-max_n:]
-    # Branch candidates per drafted or looked-up position: (position, its matcher state, its
-    # `Branch`es, the chance of reaching it); `reach` multiplies the chain's pick
-    # probabilities (and lookup's rates).
-    branches: list[tuple[int, LLMatcher | None, list[Branch], float]] = []
-    reach = 1.0
-    # A looked-up token's chance of being accepted: its source's rate so far in this
-    # request (a prior of 1/2), for the reach of what follows it and for lookup branches.
-    rate = {src: (getattr(stats, src + "_accepted") + 1) / (getattr(stats, src) + 2)
-            for src in ("looked_up", "suffixed")}
-    for j in range(kk):
-        forced = cand = None
-        if clone is not None:
-            if j == 0 and row0 is not None:
-                row[0] = row0
-            elif over_round_budget(stats, budget_s):
+
+    seq: list[TokenId]
+    emitted: int
+    eos: AbstractSet[int]
+    params: SamplingParams
+    spec: SpecConfig
+    stats: SpecStats
+    vocab_size: int
+    matcher: LLMatcher | None = None
+    index: NgramIndex | None = None
+    earlier: Sequence[NgramIndex] = ()
+
+
+@dataclass(frozen=True)
+class DraftSide:
+    """The draft model as one request's proposer sees it in a round.
+
+    Attributes:
+        model: the draft (None: none, or left out this round: no drafted tokens).
+        cache: its KV cache of the request (a prefix of `seq`; the rest is fed with its
+            next forward).
+        vocab: the draft's logits width (the target's when there is no draft): a token past
+            it cannot be fed to the draft, so it is not proposed.
+        space: a pruned vocabulary's target ids (`MappedDraft.space`): the draft's logits
+            are over those, column i being target id space[i], ascending; None: target ids.
+    """
+
+    model: nn.Module | None = None
+    cache: list = field(default_factory=list)
+    vocab: int = 0
+    space: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class RoundBounds:
+    """What a round lets one request propose.
+
+    Attributes:
+        depth: most proposals (its token budget; the spec's k or `cheap_k` caps it).
+        run_on: forced and looked-up tokens may run on past k to `cheap_k` (False in a
+            batched round: past ~16 rows every verify row costs compute the other requests
+            wait for, while a run that stops at k finishes next round).
+        tree: most branch tokens (its share of `SpecConfig.tree`; 0: a chain).
+        min_score: the branch threshold where the spec leaves it open
+            (`TreeCosts.threshold`).
+        row0: the matcher's mask at its current state, when already filled (the round's
+            first verify row): read instead of filled again.
+        budget_s: stop proposing once the round's fills took this long
+            (`over_round_budget`).
+    """
+
+    depth: int
+    run_on: bool = True
+    tree: int = 0
+    min_score: float = TREE_MIN_SCORE
+    row0: np.ndarray | None = None
+    budget_s: float | None = None
+
+
+Ask = tuple[str, Any]  # what a proposer asks its driver: ("forward", tokens) | ("eval", arrays)
+
+
+class Proposer:
+    """One request's proposals for one round: up to `depth` tokens, each from the first
+    source that has one: the grammar (a forced token), prompt lookup (a legal continuation of
+    a repeated n-gram), earlier answers (`RequestView.earlier`, the same), the draft model.
+
+    Driven by `steps`, a generator: it asks ("forward", tokens) for a draft forward (those
+    tokens fed, then answered with the draft's logits at the last position: (Vd,), or
+    (len(space),) with `DraftSide.space`) and ("eval", arrays) to have arrays evaluated (the
+    driver evaluates every request's at once), and returns the `Proposals`. `core` drives
+    every request's proposer in lock-step, one batched draft forward per step. With masking
+    off an illegal proposal puts the clone in error, so proposing stops.
+
+    Token trees (`RoundBounds.tree`: up to that many more proposals, on branches off the
+    chain): at each drafted position the draft's other likeliest tokens (its top
+    `TREE_WIDTH` by the pick's own order, so under sampling by its noisy scores), and where
+    the gate ended the chain its pick too, scored by the draft's estimate of reaching and
+    accepting them (the product of the chain's pick probabilities before them, times
+    theirs); at each looked-up position, the other runs the prompt's index and the earlier
+    answers hold after the same context (other match lengths, other answers), scored by
+    their source's acceptance rate in this request. The best over `spec.tree_min_score`
+    (`RoundBounds.min_score` where the spec leaves it open) become branches, each followed
+    by the tokens the grammar forces after it and, for a run, the rest of the run while it
+    stays legal and over the threshold (`_grow_tree`). The chain comes first (proposals[i]
+    under proposals[i - 1]), the branches after it; branch tokens are never fed to the
+    draft model.
+
+    A pruned-vocabulary draft (`DraftSide.space`): the mask and the (seed, position) noise
+    are read at its ids, so the pick is the one over target-width logits (-inf off the
+    draft's vocabulary), ties included, at a sixth of the width.
+    """
+
+    def __init__(self, req: RequestView, draft: DraftSide, bounds: RoundBounds) -> None:
+        spec = req.spec
+        self.req, self.draft, self.bounds = req, draft, bounds
+        # The draft model proposes up to k per round; forced and looked-up tokens (no draft
+        # step, and usually accepted) may run on to 2k, capped by the token budget.
+        self.k_model = min(spec.k, bounds.depth)
+        self.depth = min(spec.cheap_k if bounds.run_on else spec.k, bounds.depth)
+        self.clone: LLMatcher | None = None  # advanced through the proposals
+        if req.matcher is not None and (spec.draft_masking or spec.forced_drafting
+                                        or req.index or req.earlier):
+            self.clone = req.matcher.deep_copy()
+        self.row = llnp.allocate_token_bitmask(1, req.vocab_size)  # the clone's mask
+        self.feed = req.seq[draft.cache[0].offset:] if draft.cache else []  # not yet fed
+        self.fed = 0
+        self.cursor = (LookupCursor(req.index, spec.lookup_min_ngram)
+                       if req.index is not None else None)
+        self.suffix = (SuffixCursor(req.earlier, spec.lookup_min_ngram)
+                       if req.earlier else None)
+        self.max_n = max([i.max_n for i in req.earlier]
+                         + ([req.index.max_n] if req.index is not None else [1]))
+        self.tail = req.seq[-self.max_n:]
+        self.tokens: list[TokenId] = []
+        self.sources: list[ProposalSource] = []
+        self.branches: list[BranchPoint] = []
+        self.reach = 1.0  # the chance of reaching the next position (`BranchPoint.reach`)
+        # A looked-up token's chance of being accepted: its source's rate so far in this
+        # request, for the reach of what follows it and for lookup branches.
+        self.rate = {src: req.stats.rate(src) for src in (LOOKED_UP, SUFFIXED)}
+        # A token tree's growth (`_grow_tree`): parents, branch tokens left, their scores.
+        self.parents: list[int] = []
+        self.room = bounds.tree
+        self.score = 0.0
+
+    def steps(self) -> Generator[Ask, Any, Proposals]:
+        """Propose, asking the driver for draft forwards and evaluations; returns the
+        `Proposals`."""
+        if self.bounds.depth <= 0:
+            return Proposals([], [])
+        for j in range(self.depth):
+            if self.clone is not None and not self._fill(j):
                 break
+            forced = (single_allowed(self.row[0])
+                      if self.clone is not None and self.req.spec.forced_drafting else None)
+            found = self._looked_up() if forced is None else None
+            if forced is not None:
+                if forced >= self.draft.vocab:
+                    break  # the draft cannot embed it; let the target decide
+                tok, src = forced, FORCED
+            elif found is not None and found[0] < self.draft.vocab:
+                tok, src = found
+                if self.bounds.tree > 0:  # the other runs the indexes hold here: branches
+                    self._branch_runs(j, tok)
+                self.reach *= self.rate[src]
+            elif self.draft.model is None or j >= self.k_model:
+                break  # no model (or its share is spent): stop at the first open position
             else:
-                fill_row(clone, row, 0, stats)
-                if clone.is_error():
+                drafted = yield from self._draft(j)
+                if drafted is None:
                     break
-            if spec.forced_drafting:
-                forced = single_allowed(row[0])
-        if forced is None and cursor is not None:
-            cand = cursor.next(tail)
-            if cand is not None and clone is not None and not mask_allows(row[0], cand):
-                cand = None  # the grammar forbids it here: not a proposal
-        src = "looked_up"
-        if forced is None and cand is None and suffix is not None:
-            cand, src = suffix.next(tail), "suffixed"
-            if cand is not None and clone is not None and not mask_allows(row[0], cand):
-                cand = None
-        if forced is not None:
-            if forced >= draft_vocab:
-                break  # the draft cannot embed it; let the target decide
-            tok, src = forced, "forced"
-        elif cand is not None and cand < draft_vocab:
-            tok = cand
-            if tree > 0:  # the other runs the indexes hold here become branches
-                runs = _lookup_runs(index, earlier, tail, spec.lookup_min_ngram, kk - j,
-                                    row[0] if clone is not None else None, tok)
-                if runs:
-                    branches.append((j, clone.deep_copy() if clone is not None else None,
-                                     [(r[0], rate[s], s, r[1:]) for s, r in runs], reach))
-            reach *= rate[src]
-        elif draft is None or j >= k_model:
-            break  # no model (or its share is spent): stop at the first open position
+                tok, src = drafted, DRAFTED
+            if not self._take(tok, src):
+                break
+        return self._finish()
+
+    def _fill(self, j: int) -> bool:
+        """The clone's mask into `row` (the round's first row, where given); False: stop
+        proposing (the round's fills are over budget, or the grammar is in error)."""
+        assert self.clone is not None
+        if j == 0 and self.bounds.row0 is not None:
+            self.row[0] = self.bounds.row0
+        elif over_round_budget(self.req.stats, self.bounds.budget_s):
+            return False
         else:
-            logits = yield ("forward", feed)  # (Vd,), or (len(space),) with `space`
-            fed, feed = len(props), []
-            if space is not None:
-                if clone is not None and spec.draft_masking:
-                    logits = apply_mask(logits, mx.array(space_mask(row[0], space)))
-            elif clone is not None and spec.draft_masking:
-                logits = apply_mask(logits, unpack_bitmask(mx.array(row[0]), draft_vocab))
-            noise = None
-            if not params.greedy:
-                noise = position_noise(seed, emitted + j, draft_vocab)
-                noise = mx.array(noise if space is None else noise[space])
-            scores = pick_scores(logits, params, noise)
-            choice = mx.argmax(scores, axis=-1)  # = `pick(logits, params, noise)`
-            # In one sync: the pick's logit (-inf: every legal token is outside what the
-            # draft can propose, e.g. a pruned draft vocabulary; the target decides) and,
-            # when gated or branching, the pick's own probability (and the candidates').
-            scale = 1.0 if params.greedy else params.temperature
-            probs = (mx.softmax(logits / scale, axis=-1)
-                     if spec.draft_min_prob > 0 or tree > 0 else None)
-            p_pick = probs[choice] if probs is not None else mx.array(1.0)
-            picked = logits[choice]
-            alts: tuple[mx.array, ...] = ()
-            if tree > 0:
-                w = min(TREE_WIDTH, scores.shape[-1])
-                ids = mx.argpartition(-scores, w - 1)[:w] if w < scores.shape[-1] \
-                    else mx.arange(w)
-                alts = (ids, probs[ids])
-            yield ("eval", (choice, picked, p_pick, *alts))
-            if picked.item() == -np.inf:
+            fill_row(self.clone, self.row, 0, self.req.stats)
+            if self.clone.is_error():
+                return False
+        return True
+
+    def _looked_up(self) -> tuple[TokenId, ProposalSource] | None:
+        """The first legal continuation prompt lookup, then the earlier answers, hold after
+        the tail (None: neither has one)."""
+        for src, cursor in ((LOOKED_UP, self.cursor), (SUFFIXED, self.suffix)):
+            if cursor is None:
+                continue
+            cand = cursor.next(self.tail)
+            if cand is not None and self.clone is not None \
+                    and not mask_allows(self.row[0], cand):
+                cand = None  # the grammar forbids it here: not a proposal
+            if cand is not None:
+                return cand, src
+        return None
+
+    def _branch_runs(self, j: int, tok: TokenId) -> None:
+        """The other runs the indexes hold at looked-up position j become its branches."""
+        runs = _lookup_runs(self.req.index, self.req.earlier, self.tail,
+                            self.req.spec.lookup_min_ngram, self.depth - j,
+                            self.row[0] if self.clone is not None else None, tok)
+        if runs:
+            self.branches.append(BranchPoint(
+                j, self.clone.deep_copy() if self.clone is not None else None,
+                [Branch(r[0], self.rate[s], s, r[1:]) for s, r in runs], self.reach))
+
+    def _draft(self, j: int) -> Generator[Ask, Any, TokenId | None]:
+        """The draft model's pick at position j (a target id), its other likeliest tokens
+        noted as branches; None: it has none (every legal token is outside what it can
+        propose) or the gate ends the chain (`SpecConfig.draft_min_prob`)."""
+        logits = yield ("forward", self.feed)
+        self.fed, self.feed = len(self.tokens), []
+        choice, picked, p_pick, alts = self._pick(logits, j)
+        yield ("eval", (choice, picked, p_pick, *alts))
+        if picked.item() == -np.inf:
+            return None
+        tok = int(choice.item())
+        gated = p_pick.item() < self.req.spec.draft_min_prob
+        if alts:
+            space = self.draft.space
+            opts = [Branch(int(t if space is None else space[t]), float(q), DRAFTED, ())
+                    for t, q in zip(alts[0].tolist(), alts[1].tolist())
+                    if q > 0 and (gated or t != tok)]
+            if opts:
+                self.branches.append(BranchPoint(
+                    j, self.clone.deep_copy() if self.clone is not None else None, opts,
+                    self.reach))
+        if gated:
+            return None  # unlikely to be accepted: verify what we have
+        self.reach *= p_pick.item()
+        return tok if self.draft.space is None else int(self.draft.space[tok])
+
+    def _pick(self, logits: mx.array, j: int
+              ) -> tuple[mx.array, mx.array, mx.array, tuple[mx.array, ...]]:
+        """The draft's pick at position j from its logits (lazy): (its index, its logit,
+        its probability, and for a tree the top `TREE_WIDTH` candidates' (indices,
+        probabilities)), under the clone's mask and the (seed, position) noise."""
+        spec, params, space = self.req.spec, self.req.params, self.draft.space
+        if space is not None:
+            if self.clone is not None and spec.draft_masking:
+                logits = apply_mask(logits, mx.array(space_mask(self.row[0], space)))
+        elif self.clone is not None and spec.draft_masking:
+            logits = apply_mask(logits, unpack_bitmask(mx.array(self.row[0]), self.draft.vocab))
+        noise = None
+        if not params.greedy:
+            noise = position_noise(params.seed or 0, self.req.emitted + j, self.draft.vocab)
+            noise = mx.array(noise if space is None else noise[space])
+        scores = pick_scores(logits, params, noise)
+        choice = mx.argmax(scores, axis=-1)  # = `pick(logits, params, noise)`
+        # In one sync: the pick's logit (-inf: every legal token is outside what the draft
+        # can propose, e.g. a pruned draft vocabulary; the target decides) and, when gated
+        # or branching, the pick's own probability (and the candidates').
+        scale = 1.0 if params.greedy else params.temperature
+        tree = self.bounds.tree > 0
+        probs = (mx.softmax(logits / scale, axis=-1)
+                 if spec.draft_min_prob > 0 or tree else None)
+        p_pick = probs[choice] if probs is not None else mx.array(1.0)
+        alts: tuple[mx.array, ...] = ()
+        if tree:
+            w = min(TREE_WIDTH, scores.shape[-1])
+            ids = mx.argpartition(-scores, w - 1)[:w] if w < scores.shape[-1] \
+                else mx.arange(w)
+            alts = (ids, probs[ids])
+        return choice, logits[choice], p_pick, alts
+
+    def _take(self, tok: TokenId, src: ProposalSource) -> bool:
+        """Propose `tok` next on the chain; False: nothing may follow it (an EOS, or an
+        unmasked illegal proposal: the backstop will cut it)."""
+        self.tokens.append(tok)
+        self.sources.append(src)
+        self.req.stats.propose(src)
+        if tok in self.req.eos:
+            return False
+        self.feed.append(tok)
+        if self.cursor is not None:
+            self.cursor.advance(tok)
+        if self.suffix is not None:
+            self.suffix.advance(tok)
+        self.tail = (self.tail + [tok])[-self.max_n:]
+        if self.clone is not None:
+            self.clone.consume_token(tok)
+            if self.clone.is_error():
+                return False
+        return True
+
+    def _finish(self) -> Proposals:
+        """The chain, and the tree grown on it where there are branch candidates."""
+        if not self.branches:
+            return Proposals(self.tokens, self.sources, self.fed)
+        chain = len(self.tokens)
+        self.parents = list(range(-1, chain - 1))
+        self._grow_tree()
+        return Proposals(self.tokens, self.sources, self.fed,
+                         self.parents if len(self.tokens) > chain else None, chain,
+                         self.score)
+
+    @property
+    def min_score(self) -> float:
+        """A branch token's least score (the spec's, else the round's)."""
+        spec = self.req.spec
+        return spec.tree_min_score if spec.tree_min_score is not None \
+            else self.bounds.min_score
+
+    def _grow_tree(self) -> None:
+        """Add the best branches to the chain, in place, up to `room` tokens: each
+        candidate at chain position j hangs under proposal j - 1, followed by what its
+        grammar state forces and the rest of its run (`_follow`). Their scores add up in
+        `score` (a forced token's is its branch's)."""
+        cands = sorted(((reach * b.q, j, b, st) for j, st, opts, reach in self.branches
+                        for b in opts), key=lambda c: -c[0])
+        row = llnp.allocate_token_bitmask(1, self.req.vocab_size)
+        forced_drafting = self.req.spec.forced_drafting
+        for score, j, b, st in cands:
+            if self.room <= 0 or score < self.min_score:
                 break
-            tok = int(choice.item())
-            gated = p_pick.item() < spec.draft_min_prob
-            if alts:
-                opts = [(int(t if space is None else space[t]), float(q), "drafted", ())
-                        for t, q in zip(alts[0].tolist(), alts[1].tolist())
-                        if q > 0 and (gated or t != tok)]
-                if opts:
-                    branches.append((j, clone.deep_copy() if clone is not None else None,
-                                     opts, reach))
-            if gated:
-                break  # unlikely to be accepted: verify what we have
-            reach *= p_pick.item()
-            tok, src = (tok if space is None else int(space[tok])), "drafted"
-        props.append(tok)
-        sources.append(src)
-        setattr(stats, src, getattr(stats, src) + 1)
-        if tok in eos:
-            break
-        feed.append(tok)
-        if cursor is not None:
-            cursor.advance(tok)
-        if suffix is not None:
-            suffix.advance(tok)
-        tail = (tail + [tok])[-max_n:]
-        if clone is not None:
-            clone.consume_token(tok)
-            if clone.is_error():  # an unmasked illegal proposal: the backstop will cut it
-                break
-    if not branches:
-        return Proposals(props, sources, fed)
-    chain = len(props)
-    parents = list(range(-1, chain - 1))
-    score = _grow_tree(props, sources, parents, branches, tree,
-                       spec.tree_min_score if spec.tree_min_score is not None else min_score,
-                       kk, eos, stats, budget_s, spec.forced_drafting, vocab_size)
-    return Proposals(props, sources, fed, parents if len(props) > chain else None, chain,
-                     score)
+            self._add_branch(b.token, b.source, j - 1, score)
+            if b.token in self.req.eos:
+                continue
+            if not b.follow and (st is None or not forced_drafting):
+                continue  # nothing can follow it
+            look = st.deep_copy() if st is not None else None
+            if look is not None and not look.consume_token(b.token):
+                continue
+            self._follow(b, score, j + 1, look, row)
 
-
-def _lookup_runs(index: NgramIndex | None, earlier: Sequence[NgramIndex], tail: list[TokenId],
-                 min_n: int, depth: int, row: np.ndarray | None, chosen: TokenId
-                 ) -> list[tuple[str, list[TokenId]]]:
-    """(source, run) for each run the prompt's index and the earlier answers' hold after
-    `tail` (`NgramIndex.continuations`) whose first token is legal here (`row`: the mask,
-    None: unconstrained) and not `chosen` or another run's."""
-    runs, seen = [], {chosen}
-    for src, indexes in (("looked_up", [index] if index is not None else []),
-                         ("suffixed", earlier)):
-        for ix in indexes:
-            for run in ix.continuations(tail, min_n, depth):
-                if run[0] in seen or (row is not None and not mask_allows(row, run[0])):
-                    continue
-                seen.add(run[0])
-                runs.append((src, run))
-    return runs
-
-
-def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
-               branches: list[tuple[int, LLMatcher | None, list[Branch], float]],
-               budget: int, min_score: float, kk: int, eos: set[int], stats: SpecStats,
-               budget_s: float | None, forced_drafting: bool, vocab_size: int) -> float:
-    """Add the best branches (`draft_steps`' `tree`) to a chain, in place: each candidate at
-    chain position j hangs under proposal j - 1, followed (up to the round's depth `kk`) by
-    the tokens its grammar state then forces and, for a lookup run, the rest of the run
-    while legal and its score stays over `min_score` (each token multiplying it by the
-    run's rate). Returns the added tokens' scores, summed (a forced token's is its
-    branch's)."""
-    cands = sorted(((reach * q, j, t, q, src, follow, st)
-                    for j, st, opts, reach in branches for t, q, src, follow in opts),
-                   key=lambda c: -c[0])
-    row = llnp.allocate_token_bitmask(1, vocab_size)
-    total = 0.0
-    for score, j, tok, q, src, follow, st in cands:
-        if budget <= 0 or score < min_score:
-            break
-        total += score
-        props.append(tok)
-        sources.append(src)
-        parents.append(j - 1)
-        setattr(stats, src, getattr(stats, src) + 1)
-        stats.branched += 1
-        budget -= 1
-        if tok in eos:
-            continue
-        if not follow and (st is None or not forced_drafting):
-            continue  # nothing can follow it
-        look = st.deep_copy() if st is not None else None
-        if look is not None and not look.consume_token(tok):
-            continue
-        at, depth, rest = len(props) - 1, j + 1, list(follow)
-        while budget > 0 and depth < kk and not over_round_budget(stats, budget_s):
+    def _follow(self, b: Branch, score: float, depth: int, look: LLMatcher | None,
+                row: np.ndarray) -> None:
+        """Extend the branch just added (`b`, its head at chain depth `depth`) up to the
+        round's depth: with the tokens its grammar state (`look`, advanced) then forces,
+        and for a lookup run the rest of the run while legal and its score stays over the
+        threshold (each token multiplying it by the run's rate)."""
+        rest = list(b.follow)
+        stats, forced_drafting = self.req.stats, self.req.spec.forced_drafting
+        while self.room > 0 and depth < self.depth \
+                and not over_round_budget(stats, self.bounds.budget_s):
             f = None
             if look is not None:
                 fill_row(look, row, 0, stats)
@@ -460,25 +631,46 @@ def _grow_tree(props: list[TokenId], sources: list[str], parents: list[int],
                     break
                 f = single_allowed(row[0]) if forced_drafting else None
             if f is not None:  # forced: the run goes on only where it agrees
-                nxt, how = f, "forced"
+                nxt, how = f, FORCED
                 rest = rest[1:] if rest and rest[0] == f else []
-            elif rest and score * q >= min_score and \
+            elif rest and score * b.q >= self.min_score and \
                     (look is None or mask_allows(row[0], rest[0])):
-                nxt, how, rest = rest[0], src, rest[1:]
-                score *= q
+                nxt, how, rest = rest[0], b.source, rest[1:]
+                score *= b.q
             else:
                 break
-            total += score
-            props.append(nxt)
-            sources.append(how)
-            parents.append(at)
-            setattr(stats, how, getattr(stats, how) + 1)
-            stats.branched += 1
-            budget -= 1
-            at, depth = len(props) - 1, depth + 1
-            if nxt in eos or (look is not None and not look.consume_token(nxt)):
+            self._add_branch(nxt, how, len(self.tokens) - 1, score)
+            depth += 1
+            if nxt in self.req.eos or (look is not None and not look.consume_token(nxt)):
                 break
-    return total
+
+    def _add_branch(self, tok: TokenId, src: ProposalSource, parent: int, score: float
+                    ) -> None:
+        """Propose `tok` under proposal `parent`, off the chain."""
+        self.score += score
+        self.tokens.append(tok)
+        self.sources.append(src)
+        self.parents.append(parent)
+        self.req.stats.propose(src, branch=True)
+        self.room -= 1
+
+
+def _lookup_runs(index: NgramIndex | None, earlier: Sequence[NgramIndex], tail: list[TokenId],
+                 min_n: int, depth: int, row: np.ndarray | None, chosen: TokenId
+                 ) -> list[tuple[ProposalSource, list[TokenId]]]:
+    """(source, run) for each run the prompt's index and the earlier answers' hold after
+    `tail` (`NgramIndex.continuations`) whose first token is legal here (`row`: the mask,
+    None: unconstrained) and not `chosen` or another run's."""
+    runs, seen = [], {chosen}
+    for src, indexes in ((LOOKED_UP, [index] if index is not None else []),
+                         (SUFFIXED, earlier)):
+        for ix in indexes:
+            for run in ix.continuations(tail, min_n, depth):
+                if run[0] in seen or (row is not None and not mask_allows(row, run[0])):
+                    continue
+                seen.add(run[0])
+                runs.append((src, run))
+    return runs
 
 
 def space_mask(row: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -547,7 +739,7 @@ def tree_masks(matcher: LLMatcher, props: Sequence[TokenId], parents: Sequence[i
                eos: set[int], vocab_size: int, position: int | None = None,
                row0: np.ndarray | None = None, stats: StepTimings | None = None,
                budget_s: float | None = None) -> tuple[np.ndarray, list[bool], int]:
-    """`verify_masks` for a token tree (`draft_steps`' parents): row 0 is the mask at the
+    """`verify_masks` for a token tree (`Proposals.parents`): row 0 is the mask at the
     matcher's state, row i + 1 the mask after the branch ending at proposal i (on a
     `deep_copy` advanced along that branch).
 
