@@ -95,16 +95,16 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
 
     @app.get("/health", response_model=Health)
     async def health() -> Any:
-        sched = engine.scheduler
-        if not sched.alive:  # not ready: a balancer sends no more here
+        st = engine.status()
+        if not st.alive:  # not ready: a balancer sends no more here
             return JSONResponse({"status": "stopping", "model": door.model_name,
-                                 "queue_depth": sched.queue_depth}, status_code=503)
-        return {"status": "ok", "model": door.model_name, "queue_depth": sched.queue_depth}
+                                 "queue_depth": st.queue_depth}, status_code=503)
+        return {"status": "ok", "model": door.model_name, "queue_depth": st.queue_depth}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def prom() -> PlainTextResponse:
-        sched = engine.scheduler
-        return PlainTextResponse(metrics.render(sched.queue_depth, sched.stats, sched.active,
+        st = engine.status()
+        return PlainTextResponse(metrics.render(st.queue_depth, st.stats, st.active,
                                                 ch.collective_s if ch is not None else None),
                                  media_type="text/plain; version=0.0.4")
 
@@ -163,20 +163,22 @@ ROUND_LIMIT_S = 300.0  # a sharded target's round that runs longer has lost a ra
 STOPPING_ROUND_LIMIT_S = 5.0  # ... once asked to stop (mlx.launch stops the others so)
 
 
-def _watchdog(server: Any, sched: Any) -> None:
+def _watchdog(server: Any, engine: Engine) -> None:
     """A sharded target: a collective whose peer died may never return. A round that runs
     past the limit (much shorter once the server was asked to stop: mlx.launch stops the
     other ranks when one fails) fails every request with a 503, and the server exits."""
     from specdec.errors import SchedulerStopped
 
-    while sched.fatal is None:
+    while True:
         time.sleep(0.5)
-        started = sched.round_started
+        st = engine.status()
+        if st.failed:
+            return
         limit = STOPPING_ROUND_LIMIT_S if server.should_exit else ROUND_LIMIT_S
-        if started is not None and time.perf_counter() - started > limit:
+        if st.round_s is not None and st.round_s > limit:
             log.error("a round has run for over %.0fs: a rank is lost", limit)
-            sched.abort(SchedulerStopped("the sharded target failed (a rank stopped "
-                                         "responding); this server is stopping"))
+            engine.abort(SchedulerStopped("the sharded target failed (a rank stopped "
+                                          "responding); this server is stopping"))
             return
 
 
@@ -207,7 +209,7 @@ def serve(engine: Engine, config: ServeConfig = ServeConfig()) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="info", timeout_graceful_shutdown=30))
     if config.channel is not None:
-        threading.Thread(target=_watchdog, args=(server, engine.scheduler),
+        threading.Thread(target=_watchdog, args=(server, engine),
                          name="specdec-watchdog", daemon=True).start()
     try:
         server.run()

@@ -32,7 +32,7 @@ from specdec.sampling import SamplingError, SamplingParams
 
 from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
                         COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
-                        CompletionRequest, TextPart, ToolResult, _Sampling)
+                        CompletionRequest, TextPart, ToolResult, SamplingFields)
 from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
 from .errors import bad_request, openai_body, openai_response, wire_param
 
@@ -57,7 +57,7 @@ STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar
 SWITCHES = ("enable_thinking", "thinking", "reasoning")  # chat_template_kwargs that think
 
 
-def constraint_of(body: _Sampling) -> Constraint | None:
+def constraint_of(body: SamplingFields) -> Constraint | None:
     """`response_format` (chat), vLLM's `structured_outputs` or its older `guided_*` fields
     → the constraint (at most one). `json_schema.strict: true` compiles strictly
     (unsupported keywords are a 400); otherwise leniently, with warnings."""
@@ -95,7 +95,7 @@ def constraint_of(body: _Sampling) -> Constraint | None:
     return found[0] if found else None
 
 
-def sampling_of(body: _Sampling) -> SamplingParams:
+def sampling_of(body: SamplingFields) -> SamplingParams:
     """Temperature defaults to 1, as OpenAI's does."""
     bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
     twice = next((t for (t, _), (u, _) in zip(bias, bias[1:]) if t == u), None)
@@ -153,7 +153,7 @@ def messages_of(body: ChatCompletionRequest) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def _common(body: _Sampling, max_tokens: int | None) -> dict[str, Any]:
+def _common(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     """The request fields chat and completions share."""
     return {"constraint": constraint_of(body), "sampling": sampling_of(body),
             "max_tokens": max_tokens, "stop": (body.stop,) if isinstance(body.stop, str)
@@ -214,7 +214,7 @@ def params_of(body: ChatCompletionRequest | CompletionRequest) -> dict[str, str]
                          if body.max_completion_tokens else {})}
 
 
-def include_usage(body: _Sampling) -> bool:
+def include_usage(body: SamplingFields) -> bool:
     so = body.stream_options
     return bool(so is not None and so.include_usage)
 

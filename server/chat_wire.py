@@ -212,7 +212,7 @@ class NamedToolChoice(_Wire):
     function: NamedFunction
 
 
-class _Sampling(_Open):
+class SamplingFields(_Open):
     model: str | None = None
     max_tokens: Int | None = Field(None, ge=1)
     temperature: Float | None = Field(None, ge=0, le=100)
@@ -243,7 +243,7 @@ class _Sampling(_Open):
     prompt_lookup: bool | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra=CHAT_UNMODELED.document)
     messages: Annotated[list[ChatMessage], within_context("turns")] = Field(
         min_length=1, fail_fast=True)
@@ -267,7 +267,7 @@ class ChatCompletionRequest(_Sampling):
                                 "server's --max-thinking-tokens")
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra=COMPLETION_UNMODELED.document)
     prompt: Annotated[
         Annotated[str, Tag("text"), Field(min_length=1)] | Annotated[TokenIds, Tag("ids")]

@@ -52,7 +52,7 @@ from .config import MaskBudget
 from .events import TokenLogprob
 from .types import DecodeFinish, TokenId
 from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Proposals, Proposer, RequestView,
-                          RoundBounds, SpecConfig, SpecStats, TreeCosts, _trim, tree_masks,
+                          RoundBounds, SpecConfig, SpecStats, TreeCosts, trim_cache, tree_masks,
                           tree_path, verify_masks)
 
 log = logging.getLogger("specdec")
@@ -493,7 +493,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
         noise = None
         if not s.params.greedy:  # each row's noise is its output position's
             depths = (range(len(props[i]) + 1) if row_trees[i] is None
-                      else ragged._depths(row_trees[i]).tolist())
+                      else ragged.depths(row_trees[i]).tolist())
             noise = mx.array(np.stack([position_noise(s.params.seed or 0, s.emitted + d,
                                                       models.vocab_size)
                                        for d in depths]))
@@ -700,13 +700,13 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
     # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
     if p.parents is not None:  # (nothing moves when the branch is where a sequence would be)
         ragged.keep_rows(s.t_cache, s.t_cache[0].offset - v.width, path)
-    _trim(s.t_cache, v.width - accepted)
+    trim_cache(s.t_cache, v.width - accepted)
     # Draft cache holds a prefix of old seq + props[:fed] (the chain's); keep what agrees.
     if s.d_cache:
         base = len(s.seq) - n_emit
         d_len = s.d_cache[0].offset
         keep = min(d_len, base + min(p.fed, on_chain, n_chain))
-        _trim(s.d_cache, d_len - keep)
+        trim_cache(s.d_cache, d_len - keep)
 
 
 def _emit(s: DecodeState, out: list[TokenId], rows: list[int],

@@ -94,14 +94,9 @@ def for_replicas(request: Any) -> Any:
 
 
 def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> int:
-    """A follower rank: replay rank 0's rounds until it stops. Returns the exit status (0:
-    rank 0 stopped; EXIT_LOST_RANK: the group lost a rank)."""
-    from .scheduler import Scheduler, Ticket
-
-    engine.masks = replace(engine.masks, in_round=False)  # propose as rank 0 does
-    sched = Scheduler(engine.models, engine.new_state, max_batch=max_batch, max_queue=0,
-                      chunk=chunk, kv_store=engine.kv_store, thread=False)
-    tickets: dict[int, Ticket] = {}
+    """A follower rank: replay rank 0's rounds (`Engine.follower`) until it stops. Returns
+    the exit status (0: rank 0 stopped; EXIT_LOST_RANK: the group lost a rank)."""
+    replay = engine.follower(max_batch, chunk)
     log.info("rank %d (pid %d) following rank 0", channel.rank, os.getpid())
     while True:
         try:
@@ -111,23 +106,11 @@ def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> i
             return EXIT_LOST_RANK
         if d.stop:
             return 0
-        for key, req in d.admit:
-            t = Ticket(req, engine.output(req, lambda ev: None), key=key)
-            tickets[key] = t
-            sched.admit(t)
-        late, gone, idle, plain = ([tickets[k] for k in keys if k in tickets]
-                                   for keys in (d.late, d.gone, d.idle, d.plain))
-        over = [(tickets[k], e) for k, e in d.over if k in tickets]
-        if d.tree_min_score is not None:  # priced by rank 0's clock, not this rank's
-            sched.tree_min_score = d.tree_min_score
         try:
-            sched.replay(late, gone, idle, plain, over)
+            replay(d)
         except Exception as e:
             log.error("rank %d: round failed: %s", channel.rank, e)
             return EXIT_LOST_RANK
-        live = {t.key for t in sched._active}
-        for k in [k for k in tickets if k not in live]:
-            del tickets[k]
 
 
 # -- the launcher ---------------------------------------------------------------------------

@@ -48,7 +48,12 @@ PARSER_LIMITS = dict(max_items_in_row=2000, step_max_items=50_000, step_lexer_fu
                      max_grammar_size=500_000)
 
 
-def _schema_dict(value: Any) -> dict[str, Any]:
+def schema_dict(value: Any) -> dict[str, Any]:
+    """A JSON schema given as JSON text or a dict, as a dict (`true` as {}).
+
+    Raises:
+        GrammarError: not JSON, `false`, or not an object.
+    """
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -83,7 +88,7 @@ def to_grammar(c: Constraint) -> str:
                                    f"(got {c.value!r}); use json_schema for a schema")
             schema: dict[str, Any] = {"type": "object"}
         else:
-            schema = _schema_dict(c.value)
+            schema = schema_dict(c.value)
         opts = dict(JSON_DEFAULTS, **dict(c.json_options))
         if c.lenient:
             opts["lenient"] = True

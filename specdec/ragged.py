@@ -133,7 +133,7 @@ def forward(model: nn.Module, segments: Sequence[tuple[Sequence[int], list]],
     for i in set(range(len(segments))) - set(batched):
         if trees is not None and trees[i] is not None:
             off = segments[i][1][0].offset
-            alone_tree[i] = (mx.array((off + _depths(trees[i])).astype(np.int32)),
+            alone_tree[i] = (mx.array((off + depths(trees[i])).astype(np.int32)),
                              mx.array(_visible(off, lens[i], trees[i], lens[i],
                                                off + lens[i]))[None, None])
     alone = sorted(set(range(len(segments))) - set(batched))
@@ -649,7 +649,7 @@ class _Plan:
     v_dim: int
 
 
-def _depths(tree: Sequence[int]) -> np.ndarray:
+def depths(tree: Sequence[int]) -> np.ndarray:
     """Each row's depth in a token tree (parents, -1 for the root row)."""
     d = np.zeros(len(tree), dtype=np.int32)
     for r, p in enumerate(tree):
@@ -717,7 +717,7 @@ def _plan(inner: nn.Module, segments, batched: Sequence[int],
         starts.append(starts[-1] + n)
     rows = None if list(batched) == list(range(len(segments))) else \
         mx.array([first[i] + t for i in batched for t in range(len(segments[i][0]))])
-    pos = mx.array(np.concatenate([o + (np.arange(n) if tr is None else _depths(tr))
+    pos = mx.array(np.concatenate([o + (np.arange(n) if tr is None else depths(tr))
                                    for o, n, tr in zip(offs, lens, tree_of)]
                                   ).astype(np.int32))  # (rows,) each row's position
     writes = mx.array([(s * kv_heads + hh) * cap + o + t for s, o, n in zip(slots, offs, lens)

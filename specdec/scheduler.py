@@ -82,6 +82,17 @@ class Decisions:
     stop: bool = False
 
 
+def follower(models: Models, start: Callable[[Request], DecodeState],
+             output: Callable[[Request], Output], max_batch: int, chunk: int = 512,
+             kv_store: PromptKVCache | None = None) -> Callable[[Decisions], None]:
+    """A sharded target's follower rank: a function replaying one round from the decisions
+    rank 0 published (`Scheduler.follow`) on a scheduler without a thread; `output` makes
+    each admitted request's output router."""
+    sched = Scheduler(models, start, max_batch=max_batch, max_queue=0, chunk=chunk,
+                      kv_store=kv_store, thread=False)
+    return lambda d: sched.follow(d, lambda key, req: Ticket(req, output(req), key=key))
+
+
 @dataclass
 class SchedulerStats:
     """Counters for /metrics (read from other threads; ints and floats only)."""
@@ -350,6 +361,21 @@ class Scheduler:
     def admit(self, ticket: Ticket) -> None:
         """Make a ticket active now (a replica admitting what the leader admitted)."""
         self._active.append(ticket)
+
+    def follow(self, d: Decisions, ticket: Callable[[int, Request], Ticket]) -> None:
+        """A replica's round (a sharded target's follower rank, without a thread): admit
+        what the leader admitted (`ticket` builds each from its key and request), apply the
+        leader's decisions and its branch threshold, and replay the round (`replay`)."""
+        for key, req in d.admit:
+            assert req is not None, "a leader publishes each admitted request"
+            self.admit(ticket(key, req))
+        by_key = {t.key: t for t in self._active}
+        late, gone, idle, plain = ([by_key[k] for k in keys if k in by_key]
+                                   for keys in (d.late, d.gone, d.idle, d.plain))
+        over = [(by_key[k], e) for k, e in d.over if k in by_key]
+        if d.tree_min_score is not None:  # priced by rank 0's clock, not this rank's
+            self.tree_min_score = d.tree_min_score
+        self.replay(late, gone, idle, plain, over)
 
     def replay(self, late: list[Ticket], gone: list[Ticket], idle: Sequence[Ticket] = (),
                plain: Sequence[Ticket] = (),

@@ -51,6 +51,7 @@ from .types import MAX_DRAFT_TOKENS, ProposalSource, SourceCount, TokenId
 FORCED, LOOKED_UP = ProposalSource.FORCED, ProposalSource.LOOKED_UP
 SUFFIXED, DRAFTED = ProposalSource.SUFFIXED, ProposalSource.DRAFTED
 
+SOURCE_NAMES = frozenset(s.value for s in ProposalSource)  # the counters' wire names
 TREE_WIDTH = 3  # candidates a token tree reads at each drafted position
 
 
@@ -209,7 +210,7 @@ class SpecStats(StepTimings):
         src, accepted = (name[:-len("_accepted")], True) if name.endswith("_accepted") \
             else (name, False)
         counts = self.__dict__.get("sources")
-        if counts is None or src not in ProposalSource._value2member_map_:
+        if counts is None or src not in SOURCE_NAMES:
             raise AttributeError(name)
         c = counts[ProposalSource(src)]
         return c.accepted if accepted else c.proposed
@@ -280,7 +281,8 @@ def single_allowed(bitmask: np.ndarray) -> int | None:
     return int(nz[0]) * 32 + word.bit_length() - 1
 
 
-def _trim(cache: list, n: int) -> None:
+def trim_cache(cache: list, n: int) -> None:
+    """Drop the last `n` positions of every layer's cache (n <= 0: none)."""
     if n > 0:
         for c in cache:
             c.trim(n)

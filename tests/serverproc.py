@@ -147,3 +147,14 @@ def serve_app(*args: str, models: dict[str, object] | None = None) -> InProcess:
     with mock.patch.object(specdec_models, "load", reuse):
         engine = cli.build_engine(ns.model, ns)
     return InProcess(create_app(engine, cli.serve_config(ns)), engine)
+
+
+def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """An OpenAI-shaped error answer's `error` object, checked for its status, its four
+    fields and (when given) the field it names."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    return err

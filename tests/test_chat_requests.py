@@ -12,6 +12,8 @@ import json
 import httpx
 import pytest
 
+from tests.serverproc import error_of
+
 KEY = "requests-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MSG = [{"role": "user", "content": "Name a colour."}]
@@ -29,15 +31,6 @@ def post(server, body, path="/v1/chat/completions", **kw):
 def ok_after(server):
     r = post(server, {"messages": MSG, "max_tokens": 3})
     assert r.status_code == 200, r.text
-
-
-def error_of(r, status, param=None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"}
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -163,3 +163,47 @@ def test_shared_names_are_defined_once_on_the_floor(name):
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 where.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert where == ["specdec/types.py:" + where[0].split(":")[1]], where
+
+
+def _private_crossings(path: pathlib.Path, strict: bool) -> list[str]:
+    """Private names (`_x`) `path` takes from another module: imported by name, read off an
+    imported module of ours, or (`strict`: the server and a sharded target's follower, which
+    use the Engine through its public surface only) read off any object but `self`/`cls`."""
+    tree = ast.parse(path.read_text())
+    ours: set[str] = set()  # local names bound to modules of ours
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level > 0 or (
+                node.module or "").split(".")[0] in ("specdec", "server")):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno} imports {a.name}")
+                ours.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            ours.update(a.asname or a.name.split(".")[0] for a in node.names
+                        if a.name.split(".")[0] in ("specdec", "server"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and \
+                not node.attr.startswith("__") and isinstance(node.value, ast.Name):
+            owner = node.value.id
+            if owner in ("self", "cls") or (strict and owner == "os"):
+                continue
+            if owner in ours or strict:
+                found.append(f"{path.name}:{node.lineno} reads {owner}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_module_line():
+    files = [*PACKAGE.glob("*.py"), *(ROOT / "server").glob("*.py")]
+    found = [f for p in sorted(files) for f in _private_crossings(
+        p, strict=p.parent.name == "server" or p.name == "distributed.py")]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_sees_imports_module_reads_and_engine_internals(tmp_path):
+    p = tmp_path / "probe.py"
+    p.write_text("from .grammar import _schema\nfrom . import ragged\n"
+                 "def f(engine):\n    ragged._depths\n    engine._active\n    self._ok\n")
+    assert _private_crossings(p, strict=False) == [
+        "probe.py:1 imports _schema", "probe.py:4 reads ragged._depths"]
+    assert "probe.py:5 reads engine._active" in _private_crossings(p, strict=True)

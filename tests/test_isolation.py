@@ -22,7 +22,7 @@ from specdec.events import Failed, Finished
 from specdec.grammar import Constraint
 from specdec.request import GenerateRequest, Message
 from specdec.sampling import SamplingParams
-from tests.serverproc import serve_app
+from tests.serverproc import error_of, serve_app
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}},
@@ -297,15 +297,6 @@ def test_the_kv_budget_admits_what_fits_and_refuses_what_never_can(embedded):
         assert most[0] == 1  # each waited for the one before it to leave
     finally:
         e.close()
-
-
-def error_of(r, status, param=None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"}
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 class RoundClock:

@@ -310,7 +310,7 @@ def test_a_harmony_call_after_the_analysis_is_a_commentary_message_the_template_
     text. A call forced after reasoning is parsed, valid, the same with speculation, and
     byte for byte what the template renders for the assistant turn with that reasoning and
     call; the next turn renders both back; "auto" pushed to the final channel answers text."""
-    from specdec.engine import tool_schema
+    from specdec.prepare import tool_schema
     from specdec.request import GenerateRequest, Message, Tool
 
     target, engines = models["harmony"]
@@ -343,7 +343,7 @@ def test_a_harmony_call_after_the_analysis_is_a_commentary_message_the_template_
         head = tk.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}],
                                       tools=schemas, tokenize=False,
                                       add_generation_prompt=True)
-        from specdec.engine import template_message
+        from specdec.prepare import template_message
 
         full = tk.apply_chat_template([{"role": "user", "content": "Weather in Paris?"},
                                        template_message(turn, 1, fmt)], tools=schemas,

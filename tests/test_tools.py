@@ -61,7 +61,7 @@ def tool_engine(tmp_path_factory):
 
 
 def render(engine: Engine, messages: list[dict], gen: bool, tools=(WEATHER, CLOCK)) -> str:
-    from specdec.engine import tool_schema
+    from specdec.prepare import tool_schema
     from specdec.tools import generic_messages
 
     schemas = [tool_schema(t) for t in tools]
@@ -75,7 +75,7 @@ def render(engine: Engine, messages: list[dict], gen: bool, tools=(WEATHER, CLOC
 def assistant_turn(engine: Engine, fmt: ToolFormat, calls, text: str = "") -> str:
     """What the template renders for an assistant turn with these (id, name, args) calls,
     after the generation prompt, end of turn excluded."""
-    from specdec.engine import template_message
+    from specdec.prepare import template_message
 
     msg = template_message(Message("assistant", text, tool_calls=tuple(
         ToolCall(i, n, a) for i, n, a in calls)), 1, fmt)

@@ -128,7 +128,8 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
 
     from specdec import distributed
     from specdec.core import MaskBudget, Models, new_state
-    from specdec.scheduler import Decisions, Scheduler, Ticket
+    from specdec.request import Request
+    from specdec.scheduler import Decisions, Scheduler, Ticket, follower
     from tests.tiny import EOS, WIDTH, tiny_llama
 
     class Price:
@@ -166,7 +167,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
         return Models(target, WIDTH, draft, WIDTH, masks=budget, trees=price)
 
     def start(m: Models):
-        return lambda req: new_state(m, req.prompt, max_tokens=req.max_tokens,
+        return lambda req: new_state(m, req.prompt_ids, max_tokens=req.max_tokens,
                                      eos_token_ids=EOS, spec=spec)
 
     published: list[Decisions] = []
@@ -174,7 +175,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
     leader = Scheduler(lead, start(lead), max_batch=4, thread=False, publish=published.append)
     outs = {}
     for p in prompts:
-        req = SimpleNamespace(prompt=p, prompt_ids=p, max_tokens=20)
+        req = Request(tuple(p), max_tokens=20)
         t = Ticket(req, Out(), replica=req)
         leader.submit(t)
         outs[t.key] = t.output
@@ -185,13 +186,14 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
 
     copies: dict[int, Out] = {}
 
-    def output(req: object, _cb: object) -> Out:
+    def output(req: object) -> Out:
         copies[len(copies) + 1] = out = Out()
         return out
 
     mine = models(Price(5.0))  # this rank's own price: chains only
-    replica = SimpleNamespace(masks=budget, models=mine, new_state=start(mine), kv_store=None,
-                              output=output)
+    # an engine's follower (`Engine.follower`) over this rank's models and price
+    replica = SimpleNamespace(follower=lambda max_batch, chunk: follower(
+        mine, start(mine), output, max_batch, chunk))
     sent = iter([*published, Decisions(stop=True)])
     channel = SimpleNamespace(rank=1, recv=lambda: next(sent))
     assert distributed.follow(replica, channel, max_batch=4) == 0
