@@ -4,6 +4,7 @@ arms interleaved per prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -20,7 +21,8 @@ K = 4
 MAX_TOKENS = 64
 BENCH_CASES = [c for c in CASES if c.kind in ("json_schema", "regex")]
 GATED = SpecConfig(K, draft_min_prob=0.3)  # drafting ends below p = 0.3 (serving default)
-SERVING = SpecConfig(K, lookup=True, draft_min_prob=0.3)  # `specdec serve` defaults
+# the shipped defaults' chain (`SpecConfig.serving()` without earlier answers and trees)
+SERVING = dataclasses.replace(SpecConfig.serving(), suffix=False, tree=0)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from specdec.lookup import SuffixStore
 from specdec.speculative import SpecConfig
 
 K = 4
-SERVING = SpecConfig(K, lookup=True, draft_min_prob=0.3)
+# the shipped defaults' chain (`SpecConfig.serving()` without earlier answers and trees)
+SERVING = dataclasses.replace(SpecConfig.serving(), suffix=False, tree=0)
 
 
 def own_store(arm: Arm) -> Arm:

@@ -19,7 +19,7 @@ from specdec.speculative import SpecConfig
 
 K = 4
 MAX_TOKENS = 64
-CHAIN = SpecConfig(K, lookup=True, draft_min_prob=0.3)  # the serving defaults' chain
+CHAIN = dataclasses.replace(SpecConfig.serving(), suffix=False, tree=0)  # the shipped defaults' chain
 TREE = dataclasses.replace(CHAIN, tree=8)  # the threshold priced by the engine (`TreeCosts`)
 PINNED = dataclasses.replace(TREE, tree_min_score=0.15)  # a fixed threshold
 CASES_C1 = [c for c in CASES if c.kind in ("json_schema", "regex")] + list(EXTRACTION[:2])
