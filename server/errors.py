@@ -13,21 +13,21 @@ from fastapi.responses import JSONResponse
 
 from specdec.errors import SpecdecError
 
-STATUS = {"invalid_request": 400, "not_found": 404, "unavailable": 503, "timeout": 504,
-          "internal": 500}
+STATUS = {"invalid_request": 400, "unauthorized": 401, "not_found": 404, "not_allowed": 405,
+          "too_large": 413, "unavailable": 503, "timeout": 504, "internal": 500}
+KIND_OF = {status: kind for kind, status in STATUS.items()}
 RETRY_AFTER_S = 1
 
 
 class WireError(SpecdecError):
-    """An error found at the HTTP layer or by an API's parser: its status is given and its
-    `param` is already the API's own field name."""
+    """An error found at the HTTP layer or by an API's parser: its `param` is already the
+    API's own field name; `status` picks its kind (`KIND_OF`; another 5xx is internal,
+    another 4xx an invalid request)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message, param=param, code=code)
-        self.status = status
-        self.kind = {404: "not_found", 503: "unavailable", 504: "timeout"}.get(
-            status, "internal" if status >= 500 else "invalid_request")
+        self.kind = KIND_OF.get(status, "internal" if status >= 500 else "invalid_request")
         self.headers = headers or {}
 
 
@@ -36,7 +36,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def status_of(e: SpecdecError) -> int:
-    return e.status if isinstance(e, WireError) else STATUS[e.kind]
+    """The HTTP status of an error: its kind's, and nothing else."""
+    return STATUS[e.kind]
 
 
 def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
@@ -89,13 +90,15 @@ def message_of(e: SpecdecError) -> str:
 
 
 # -- OpenAI's shape: {"error": {"message", "type", "param", "code"}} ---------------------------
-OPENAI_TYPES = {"invalid_request": "invalid_request_error", "not_found": "not_found_error",
+OPENAI_TYPES = {"invalid_request": "invalid_request_error",
+                "unauthorized": "authentication_error", "not_found": "not_found_error",
+                "not_allowed": "invalid_request_error", "too_large": "invalid_request_error",
                 "unavailable": "server_error", "timeout": "server_error",
                 "internal": "server_error"}
 
 
 def openai_body(e: SpecdecError, params: Mapping[str, str]) -> dict[str, Any]:
-    kind = "authentication_error" if status_of(e) == 401 else OPENAI_TYPES[e.kind]
+    kind = OPENAI_TYPES[e.kind]
     return {"error": {"message": message_of(e), "type": kind, "param": wire_param(e, params),
                       "code": None if e.code == "invalid_request" else e.code}}
 

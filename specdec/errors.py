@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-ErrorKind = Literal["invalid_request", "not_found", "unavailable", "timeout", "internal"]
+# Whose fault, and what the caller can do; the server answers each with one HTTP status
+# ("unauthorized", "not_allowed" and "too_large" are the HTTP layer's own).
+ErrorKind = Literal["invalid_request", "unauthorized", "not_found", "not_allowed", "too_large",
+                    "unavailable", "timeout", "internal"]
 
 
 class SpecdecError(Exception):
@@ -22,7 +25,8 @@ class SpecdecError(Exception):
         code: machine-readable (e.g. "invalid_grammar", "context_length_exceeded").
         param: the request field at fault (protocol-neutral name), or None.
         kind: "invalid_request" (the caller's input), "not_found", "unavailable" (retry
-            later), "timeout", or "internal" (our fault; the message says what was emitted).
+            later), "timeout", or "internal" (our fault; the message says what was emitted);
+            the HTTP layer adds "unauthorized", "not_allowed" and "too_large".
     """
 
     code: str = "invalid_request"
