@@ -130,7 +130,7 @@ class Preparer:
     # -- requests ------------------------------------------------------------------------
     def prepare(self, request: GenerateRequest | Sequence[TokenId], **fields: Any) -> Request:
         """Validate a request, render it, compile its constraint and fill in its defaults
-        and seed: the one door for the CLI, the server and the benchmarks.
+        and seed (`Engine.prepare`, for the CLI, the server and the benchmarks alike).
 
         `request` is a `GenerateRequest`; or prompt token ids with the low-level fields as
         keywords (`constraint`, `sampling`, `max_tokens`, `stop`, `spec` (a `SpecConfig`,
