@@ -50,6 +50,7 @@ from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, Inter
                      SpecdecError)
 from .config import MaskBudget
 from .events import TokenLogprob
+from .request import Request
 from .types import DecodeFinish, TokenId
 from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Proposals, Proposer, RequestView,
                           RoundBounds, SpecConfig, SpecStats, TreeCosts, trim_cache, tree_masks,
@@ -198,21 +199,22 @@ class DecodeState:
         return self.to_prefill == 0 and not self.done
 
 
-def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
-              eos_token_ids: Sequence[TokenId], params: SamplingParams = SamplingParams(),
-              spec: SpecConfig | None = None, matcher: LLMatcher | None = None,
-              stats: SpecStats | None = None, logprobs: int | None = None,
+def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
+              matcher: LLMatcher | None = None, stats: SpecStats | None = None,
               suffixes: SuffixStore | None = None, suffix_key: str | None = None
               ) -> DecodeState:
-    """A request's state with empty caches (prefill with `prefill` or `prefill_arrivals`).
-    `suffixes`: earlier answers, where `spec.suffix` asks for their proposals; the output
-    joins them under `suffix_key` once it finishes (`scheduler.Scheduler`).
+    """A request's state with empty caches (prefill with `prefill` or `prefill_arrivals`):
+    its prompt, output budget, sampling, speculative settings and logprobs come from the
+    prepared `req`; `matcher` is its grammar's (None: unconstrained). `suffixes`: earlier
+    answers, where `spec.suffix` asks for their proposals; the output joins them under
+    `suffix_key` once it finishes (`scheduler.Scheduler`).
 
     Raises:
         ValueError: empty prompt, max_tokens < 1, sampling without a seed, a draft vocabulary
             wider than the target's.
         GrammarStateError: the matcher is already in an error state.
     """
+    prompt, max_tokens, params, spec = req.prompt_ids, req.max_tokens, req.sampling, req.spec
     _check_request(models, prompt, max_tokens, params)
     if matcher is not None:
         check_matcher(matcher, 0)
@@ -226,7 +228,7 @@ def new_state(models: Models, prompt: Sequence[TokenId], *, max_tokens: int,
     if spec is not None:
         _fit_speculation(models, s, horizon)
     s.bias = bias_vector(params, models.vocab_size)
-    s.logprobs = logprobs
+    s.logprobs = req.logprobs
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if s.spec is not None and s.spec.lookup:
         s.index = NgramIndex(s.seq)

@@ -368,10 +368,8 @@ class Engine:
 
     def new_state(self, req: Request) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
-        return new_state(self.models, req.prompt_ids, max_tokens=req.max_tokens,
-                         eos_token_ids=self.target.eos_token_ids, params=req.sampling,
-                         spec=req.spec, matcher=self.matcher(req), logprobs=req.logprobs,
-                         suffixes=self.suffixes,
+        return new_state(self.models, req, self.target.eos_token_ids,
+                         matcher=self.matcher(req), suffixes=self.suffixes,
                          suffix_key=(grammar_key(req.grammar.text)
                                      if req.grammar is not None else None))
 

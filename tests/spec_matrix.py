@@ -58,6 +58,7 @@ def main(out_path: str) -> int:
     # that is not batch-invariant a request's logits move with its neighbours, so only
     # near-ties may flip.
     from specdec.core import new_state, prefill, run_round
+    from specdec.request import Request
 
     batch = []
     for case in cases:
@@ -66,8 +67,8 @@ def main(out_path: str) -> int:
         g = engine.compiler.compile(c)
         for spec in (None, SpecConfig(4, True)):
             batch.append((case.name, spec, new_state(
-                engine.models, ids, max_tokens=32, eos_token_ids=m.eos_token_ids, spec=spec,
-                matcher=g.matcher())))
+                engine.models, Request(tuple(ids), max_tokens=32, spec=spec),
+                m.eos_token_ids, matcher=g.matcher())))
     for _, _, st in batch:
         prefill(engine.models, st)
     outs: list[list[int]] = [[] for _ in batch]

@@ -30,6 +30,7 @@ from specdec import blas, ragged
 from specdec.core import Models, new_state, prefill, run_round
 from specdec.grammar import Constraint
 from specdec.lookup import SuffixStore
+from specdec.request import Request
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
@@ -81,9 +82,9 @@ def _key(r) -> str | None:
 
 def _state(models, compiler, r):
     m = compiler.compile(r["constraint"]).matcher() if r["constraint"] else None
-    return new_state(models, r["prompt"], max_tokens=r["max_tokens"], eos_token_ids=EOS,
-                     params=r["params"], spec=r["spec"], matcher=m, suffixes=STORE,
-                     suffix_key=_key(r))
+    req = Request(tuple(r["prompt"]), sampling=r["params"], max_tokens=r["max_tokens"],
+                  spec=r["spec"])
+    return new_state(models, req, EOS, matcher=m, suffixes=STORE, suffix_key=_key(r))
 
 
 def _alone(models, compiler, r):

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from oracle import reference_decode
 from specdec import blas, ragged
 from specdec.core import Models, new_state, prefill_arrivals, run_round
+from specdec.request import Request
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
@@ -214,8 +215,8 @@ def test_a_long_prompt_decodes_as_the_oracle_next_to_short_requests(model, promp
     rng = random.Random(4)
     reqs = [(list(prompt) + _tokens(rng, 600), SpecConfig(4))]
     reqs += [(list(prompt) + _tokens(rng, n), None) for n in (0, 3, 9)]
-    states = [new_state(models, p, max_tokens=12, eos_token_ids=EOS, params=SamplingParams(),
-                        spec=spec) for p, spec in reqs]
+    states = [new_state(models, Request(tuple(p), sampling=SamplingParams(), max_tokens=12,
+                                        spec=spec), EOS) for p, spec in reqs]
     got: list[list[int]] = [[] for _ in states]
     caps = []
     while not all(s.done for s in states):

@@ -124,6 +124,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
     Here rank 0's price swings between wide trees and chains round by round, and the
     replica's own price would give chains only: the replica follows the published
     threshold, branch for branch, token for token."""
+    import dataclasses
     from types import SimpleNamespace
 
     from specdec import distributed
@@ -167,8 +168,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
         return Models(target, WIDTH, draft, WIDTH, masks=budget, trees=price)
 
     def start(m: Models):
-        return lambda req: new_state(m, req.prompt_ids, max_tokens=req.max_tokens,
-                                     eos_token_ids=EOS, spec=spec)
+        return lambda req: new_state(m, dataclasses.replace(req, spec=spec), EOS)
 
     published: list[Decisions] = []
     lead = models(Price(0.0, 5.0, 0.02))

@@ -39,12 +39,14 @@ def rounds(models, prompt, *, max_tokens, eos_token_ids=EOS, params=None, matche
     `run_round` until it ends): yields its tokens (EOS never yielded), returns the finish
     reason; raises the request's GrammarStateError. `timings` collects its counters."""
     from specdec.core import new_state, prefill, run_round
+    from specdec.request import Request
     from specdec.sampling import SamplingParams
     from specdec.speculative import SpecStats
 
     stats = SpecStats()
-    s = new_state(models, prompt, max_tokens=max_tokens, eos_token_ids=eos_token_ids,
-                  params=params or SamplingParams(), spec=spec, matcher=matcher, stats=stats,
+    req = Request(tuple(prompt), sampling=params or SamplingParams(), max_tokens=max_tokens,
+                  spec=spec)
+    s = new_state(models, req, eos_token_ids, matcher=matcher, stats=stats,
                   suffixes=suffixes, suffix_key=suffix_key)
     try:
         prefill(models, s, kv_store)
