@@ -234,10 +234,12 @@ class SamplingFields(_Open):
         None, description="token id (a string of digits) -> bias in [-100, 100]")
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older spellings of structured_outputs' kinds
-    guided_json: Any = Field(None, description="structured_outputs.json")
-    guided_regex: Any = Field(None, description="structured_outputs.regex")
-    guided_choice: Any = Field(None, description="structured_outputs.choice")
-    guided_grammar: Any = Field(None, description="structured_outputs.grammar")
+    guided_json: dict[str, Any] | bool | str | None = Field(
+        None, description="structured_outputs.json")
+    guided_regex: str | None = Field(None, description="structured_outputs.regex")
+    guided_choice: Annotated[list[str], FAIL_FAST] | None = Field(
+        None, description="structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="structured_outputs.grammar")
     num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
     draft_masking: bool | None = None
     prompt_lookup: bool | None = None

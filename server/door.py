@@ -35,11 +35,12 @@ from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Strict, Validatio
                       ValidationInfo)
 from pydantic_core import PydanticCustomError
 
-from specdec.engine import Engine, Request
+from specdec.config import LIMITS
+from specdec.engine import Engine
 from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, RequestError,
                             SpecdecError)
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
-from specdec.request import GenerateRequest, SpecOverrides
+from specdec.request import GenerateRequest, Request, SpecOverrides
 
 from .errors import WireError, bad_request, ref_of
 from .metrics import Metrics
@@ -131,9 +132,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    max_batch: int = 8
-    max_queue: int = 64
-    request_timeout_s: float | None = 600.0
+    max_batch: int = LIMITS.max_batch
+    max_queue: int = LIMITS.max_queue
+    request_timeout_s: float | None = LIMITS.request_timeout_s
     max_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 128
     channel: Any = field(default=None, compare=False)  # a sharded target's broadcast
@@ -298,10 +299,8 @@ class Door:
     def admit(self) -> None:
         """Raise what submitting would raise now for want of room (a 503: the queue is
         full, or the engine stopped), before any work on the request."""
-        sched = getattr(self.engine, "scheduler", None)  # a stand-in engine may have none
         try:
-            if sched is not None:
-                sched.check_room()
+            self.engine.check_room()
         except SpecdecError as e:
             if e.code == "queue_full":
                 self.metrics.add(requests_rejected_total=1)

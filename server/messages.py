@@ -294,8 +294,8 @@ def router(door: Door) -> APIRouter:
     @r.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: HTTPRequest) -> Response:
         body = await door.parse(http, MessagesBody)
+        door.check_model(body.model)  # (a model we do not serve first, as before)
         greq = to_request(body)
-        door.check_model(body.model)
         run = await door.open(greq, http)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         blocks = Blocks(omit_thinking=body.thinking is not None
@@ -316,8 +316,8 @@ def router(door: Door) -> APIRouter:
     @r.post(PREFIX + "/count_tokens", responses={c: _ERROR for c in (400, 401, 404, 413)})
     async def count_tokens(http: HTTPRequest) -> dict[str, int]:
         body = await door.parse(http, CountTokensBody, admit=False)  # nothing is queued
-        greq = prompt_request(body)
         door.check_model(body.model)
+        greq = prompt_request(body)
         req = await door.prepare(greq)
         return {"input_tokens": len(req.prompt_ids)}
 

@@ -279,8 +279,8 @@ def router(door: Door) -> APIRouter:
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: Request) -> Any:
         body = await door.parse(http, ResponsesRequest)
+        door.check_model(body.model)  # (a model we do not serve first, as before)
         greq = to_request(body)
-        door.check_model(body.model)
         run = await door.open(greq, http)
         w = Writer(head(body, run, door.model_name), run)
         headers = warning_header(run.request.warnings)

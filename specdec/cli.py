@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import EngineConfig
+from .config import LIMITS, EngineConfig
 
 DEFAULTS = EngineConfig()  # the shipped settings every flag below defaults to
 
@@ -96,15 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the reasoning protocol thinking requests follow: harmony, gemma, "
                         "think, or a think tag such as '<seed:think>' (default: read from "
                         "what the chat template renders)")
-    # (the scheduler's limits: `server.door.ServeConfig`'s defaults, read when serving)
+    # (the scheduler's limits: `config.ServeLimits`, which `server.door.ServeConfig` reads)
     s.add_argument("--max-batch", type=int, default=None,
-                   help="requests decoded together (continuous batching; default 8)")
+                   help="requests decoded together (continuous batching; default "
+                        f"{LIMITS.max_batch})")
     s.add_argument("--max-queue", type=int, default=None,
                    help="requests waiting for a slot; more get 503 with Retry-After "
-                        "(default 64)")
+                        f"(default {LIMITS.max_queue})")
     s.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival (waiting included) before "
-                        "it is stopped with a 504 (default 600); 0 for no limit")
+                        f"it is stopped with a 504 (default {LIMITS.request_timeout_s:g}); 0 "
+                        "for no limit")
     s.add_argument("--max-thinking-tokens", type=int, default=None,
                    help="most tokens a thinking request thinks before its answer when it "
                         f"gives no max_thinking_tokens (and at most half its max_tokens; "

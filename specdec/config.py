@@ -3,7 +3,7 @@ request decodes with (`SpecConfig`), what its grammar may cost (`MaskBudget`), w
 for the fields it leaves out (`EngineDefaults`), and everything `Engine.load` sets up
 (`EngineConfig`, `EngineConfig()` being what `specdec serve` and `specdec generate` run).
 The CLI, the server and the benchmarks read these; nothing restates them. Imports nothing of
-ours but the floor, and no MLX (the CLI reads it before it picks the BLAS).
+ours but the floor.
 """
 
 from __future__ import annotations
@@ -137,6 +137,25 @@ class EngineDefaults:
     compile_timeout_s: float | None = None
     chat_template: str | None = None
     reasoning_format: str | None = None
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """The scheduler's limits a server starts it with (`Engine.start`), and their shipped
+    values (`server.door.ServeConfig` and the CLI's flags default to these).
+
+    Attributes:
+        max_batch: most requests decoded together. max_queue: most more waiting (then
+            `QueueFull`). request_timeout_s: a request's time limit from arrival, waiting
+            included (None: no limit).
+    """
+
+    max_batch: int = 8
+    max_queue: int = 64
+    request_timeout_s: float | None = 600.0
+
+
+LIMITS = ServeLimits()
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class StepTimings:
     prefill_s: float = 0.0
     mask_s: float = 0.0
     mask_max_s: float = 0.0
-    round_mask_s: float = 0.0  # fills in the current round (its budget: `core.MaskBudget`)
+    round_mask_s: float = 0.0  # fills in the current round (its budget: `config.MaskBudget`)
     wait_s: float = 0.0
     steps: int = 0
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .config import EngineConfig, EngineDefaults, MaskBudget, SpecConfig
+from .config import LIMITS, EngineConfig, EngineDefaults, MaskBudget, SpecConfig
 from .core import DecodeState, Models, new_state
 from .decode import PREFILL_CHUNK, PromptKVCache
 from .errors import CompileTimeout, DraftConfigError, RequestError
@@ -84,7 +84,7 @@ class Engine:
             requests would draft (`core.Models.draft_max_batch`); "auto": 4 on the CPU
             backend (measured crossover there), no limit on a GPU; None: no limit.
         defaults: what requests get for the fields they leave out (`EngineDefaults`).
-        masks: what one request's grammar may cost (`core.MaskBudget`).
+        masks: what one request's grammar may cost (`config.MaskBudget`).
         parser_limits: llguidance's parser limits, by name, over `grammar.PARSER_LIMITS`.
         max_kv_tokens: most KV positions the decoding requests hold together (the
             scheduler's admission: `request.kv_positions`); a request that cannot fit even
@@ -140,6 +140,7 @@ class Engine:
         self.preparer = Preparer(target, compiler, defaults, self.context_length,
                                  max_kv_tokens, spec, draft is not None, jump_forward)
         self._scheduler: Scheduler | None = None  # a thread of its own (`start`)
+        self._last: Scheduler | None = None  # the last one started: `close` may still wait on it
         self._inline: Scheduler | None = None  # driven by whoever iterates its streams
         self._lock = threading.Lock()
         self._pumping = threading.Lock()
@@ -175,7 +176,7 @@ class Engine:
         return engine
 
     # -- the scheduler -------------------------------------------------------------------
-    def start(self, *, max_batch: int = 8, max_queue: int = 64,
+    def start(self, *, max_batch: int = LIMITS.max_batch, max_queue: int = LIMITS.max_queue,
               request_timeout_s: float | None = None,
               publish: Callable[[Decisions], None] | None = None,
               on_fatal: Callable[[Exception], None] | None = None) -> Scheduler:
@@ -198,7 +199,7 @@ class Engine:
                 old.stop(wait_s=10)
             return self._start(max_batch, max_queue, request_timeout_s, publish, on_fatal)
 
-    def _start(self, max_batch: int = 8, max_queue: int = 64,
+    def _start(self, max_batch: int = LIMITS.max_batch, max_queue: int = LIMITS.max_queue,
                request_timeout_s: float | None = None,
                publish: Callable[[Decisions], None] | None = None,
                on_fatal: Callable[[Exception], None] | None = None) -> Scheduler:
@@ -211,7 +212,8 @@ class Engine:
         self._replicas = publish is not None
         if self._replicas:  # ranks propose alike: no in-round use of the clock
             self.masks = dataclasses.replace(self.masks, in_round=False)
-        self._scheduler = Scheduler(self.models, self.new_state, max_batch=max_batch,
+        self._scheduler = self._last = Scheduler(self.models, self.new_state,
+                                                 max_batch=max_batch,
                                     max_queue=max_queue, kv_store=self.kv_store,
                                     publish=publish, on_fatal=on_fatal,
                                     max_kv_tokens=self.max_kv_tokens)
@@ -335,18 +337,34 @@ class Engine:
 
     # -- the state the server and a sharded target's followers read ------------------------
     def status(self) -> "EngineStatus":
-        """The scheduler's state now (for /health, /metrics and a sharded target's watchdog;
-        starts the scheduler thread if it is not running)."""
-        sched = self.scheduler
+        """The scheduler thread's state now (for /health, /metrics and a sharded target's
+        watchdog), also while `close` waits for its last round; starts nothing. Before any
+        scheduler thread ran: alive and idle (`submit` starts one)."""
+        with self._lock:
+            sched = self._scheduler or self._last
+        if sched is None:
+            return EngineStatus(True, False, 0, 0, SchedulerStats(), None)
         started = sched.round_started
-        return EngineStatus(sched.alive, sched.fatal is not None, sched.queue_depth,
-                            sched.active, sched.stats,
+        return EngineStatus(sched.alive and sched is self._scheduler, sched.fatal is not None,
+                            sched.queue_depth, sched.active, sched.stats,
                             None if started is None else time.perf_counter() - started)
+
+    def check_room(self) -> None:
+        """Raise what `submit` would raise now for want of room (`QueueFull`, or
+        `SchedulerStopped`), before a caller spends work preparing a request."""
+        with self._lock:
+            sched = self._scheduler
+        if sched is not None:
+            sched.check_room()
 
     def abort(self, error: Exception) -> None:
         """From any thread, while a round is stuck (a sharded target's collective that never
-        returns): every request fails with `error` now, and no more are taken."""
-        self.scheduler.abort(error)
+        returns, also while `close` waits for it): every request fails with `error` now, and
+        no more are taken."""
+        with self._lock:
+            sched = self._scheduler or self._last
+        if sched is not None:
+            sched.abort(error)
 
     def follower(self, max_batch: int, chunk: int = PREFILL_CHUNK
                  ) -> Callable[[Decisions], None]:

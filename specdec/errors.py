@@ -189,7 +189,7 @@ class GrammarDeadEnd(GrammarRefused):
 
 
 class GrammarTooComplex(GrammarRefused):
-    """The request's grammar costs more than its budget (`core.MaskBudget`), or it reached
+    """The request's grammar costs more than its budget (`config.MaskBudget`), or it reached
     one of llguidance's parser limits (`grammar.PARSER_LIMITS`): the request is stopped and
     nothing past that point is emitted. The client's grammar, not our fault: a 4xx.
 

@@ -42,7 +42,7 @@ JSON_DEFAULTS: dict[str, Any] = {
 
 # llguidance's parser limits, set here rather than left implicit (its defaults, measured
 # enough for every schema in tests/corpus): they bound the work of one Earley step and one
-# mask; the mask time a request may spend is bounded separately (`core.MaskBudget`).
+# mask; the mask time a request may spend is bounded separately (`config.MaskBudget`).
 PARSER_LIMITS = dict(max_items_in_row=2000, step_max_items=50_000, step_lexer_fuel=200_000,
                      initial_lexer_fuel=1_000_000, max_lexer_states=250_000,
                      max_grammar_size=500_000)

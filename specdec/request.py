@@ -20,7 +20,7 @@ from .types import MAX_DRAFT_TOKENS, TokenId
 if TYPE_CHECKING:  # what `Engine.prepare` fills a prepared `Request` with (annotations only)
     from .grammar import CompiledGrammar
     from .reasoning import Thinking
-    from .speculative import SpecConfig
+    from .config import SpecConfig
     from .tools import CallParser
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]

@@ -254,7 +254,7 @@ class Proposals(NamedTuple):
 
 def fill_row(matcher: Any, bitmask: np.ndarray, j: int, stats: StepTimings | None) -> None:
     """Fill mask row j for the matcher's state, counting its time in `stats` (every fill
-    counts against the request's grammar budget: `core.MaskBudget`)."""
+    counts against the request's grammar budget: `config.MaskBudget`)."""
     t0 = time.perf_counter()
     llnp.fill_next_token_bitmask(matcher, bitmask, j)
     if stats is not None:

@@ -12,11 +12,12 @@ from typing import Any
 
 import httpx
 
-from specdec.engine import Request
+from specdec.engine import EngineStatus
 from specdec.errors import SpecdecError
 from specdec.events import (Event, Finished, GenerationStats, RequestStream, ToolCall,
                             Usage)
-from specdec.request import GenerateRequest
+from specdec.request import GenerateRequest, Request
+from specdec.scheduler import SchedulerStats
 from specdec.speculative import SpecStats
 
 PROMPT = (1, 2, 3, 4)
@@ -67,6 +68,12 @@ class FakeEngine:
 
     def start(self, **_: Any) -> None:
         pass
+
+    def check_room(self) -> None:
+        pass
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(True, False, 0, 0, SchedulerStats(), None)
 
     def close(self, **_: Any) -> None:
         pass

@@ -75,6 +75,9 @@ class Gate(Engine):
     def scheduler(self) -> Scheduler:  # type: ignore[override]
         return self.sched
 
+    def check_room(self) -> None:
+        self.sched.check_room()
+
     def prepare(self, request: Any, **fields: Any) -> Request:
         self.prepared += 1
         if self.hold is not None:

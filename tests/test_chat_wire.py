@@ -17,12 +17,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from specdec import request as neutral
-from specdec.errors import RequestError
+from specdec.errors import DeadlineExceeded, RequestError
 from specdec.events import (Failed, ReasoningDelta, TextDelta, TokenLogprob, ToolCall,
                             ToolCallDelta)
-from specdec.grammar import Constraint
-from specdec.request import GenerateRequest, Message, NamedTool
-from specdec.scheduler import DeadlineExceeded
+from specdec.request import Constraint, GenerateRequest, Message, NamedTool
 from tests import fakeengine
 from tests.fakeengine import finished, raises
 

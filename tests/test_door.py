@@ -251,7 +251,7 @@ def test_every_kept_token_and_logprob_is_carried_by_exactly_one_event_in_order(t
 
 @pytest.mark.model
 def test_a_stopped_scheduler_ends_every_stream_and_the_engine_decodes_inline_again(engine):
-    from specdec.scheduler import SchedulerStopped
+    from specdec.errors import SchedulerStopped
 
     req = engine.prepare(GenerateRequest(messages=(Message("user", "Count to ten."),),
                                          max_tokens=40, sampling=SamplingParams()))

@@ -114,7 +114,7 @@ def person(engine: Any) -> Any:
 def budget_engine(embedded, distilled):
     """An engine with the serving defaults' draft and a grammar budget of 1 s a mask, 3 s
     in all."""
-    from specdec.core import MaskBudget
+    from specdec.config import MaskBudget
     from specdec.engine import Engine
     from specdec.speculative import SpecConfig
 
@@ -163,8 +163,9 @@ def test_a_slow_grammar_costs_its_own_request_not_its_neighbours(budget_engine):
     # the machine's pace, a neighbour's round is far shorter than the 0.4 s injected.
     want = [r[0].tokens for r in alone]
     assert [r[0].tokens for r in beside] == want
-    during = [t for t in ends if any(t0 < t < t1 for t0, t1 in sleeps)]
-    assert during, (ends, sleeps)
+    # Not once by chance: rounds that decoded them ended inside at least two of its fills.
+    during = [(t0, t1) for t0, t1 in sleeps if any(t0 < t < t1 for t in ends)]
+    assert len(during) >= 2, (ends, sleeps)
 
 
 def test_the_parser_item_limit_is_a_4xx_with_one_short_log_line(embedded, caplog):

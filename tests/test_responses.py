@@ -105,7 +105,8 @@ def test_reasoning_effort_gives_a_reasoning_item_then_the_json_answer(embedded):
 
     from server.app import create_app
     from server.door import ServeConfig
-    from specdec.engine import Engine, EngineDefaults
+    from specdec.config import EngineDefaults
+    from specdec.engine import Engine
 
     engine = Engine(embedded, defaults=EngineDefaults(
         chat_template=(TEMPLATES / "qwen3_style.jinja").read_text()))

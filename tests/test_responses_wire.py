@@ -17,10 +17,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from specdec import request as neutral
+from specdec.errors import DeadlineExceeded
 from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, ToolCall,
                             ToolCallDelta)
 from specdec.request import Message, NamedTool
-from specdec.scheduler import DeadlineExceeded
 from tests import fakeengine
 from tests.fakeengine import raises
 

@@ -300,8 +300,8 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
                                     SamplingParams(1.2, top_p=0.7, seed=4)],
                          ids=["greedy", "top-k", "top-p"])
 def test_pruned_draft_picks_in_its_own_vocabulary_what_target_width_logits_pick(params):
-    # A pruned-vocabulary draft proposes from its own logits (`own_logits`, `draft_steps(
-    # space=...)`): the mask and the (seed, position) noise read at its ids must give the same
+    # A pruned-vocabulary draft proposes from its own logits (`own_logits`, `DraftSide.space`
+    # of the `Proposer`): the mask and the (seed, position) noise read at its ids must give the same
     # token as the target-width logits it maps to (-inf off its vocabulary), exact ties
     # included (half the trials draw integer logits, so many tie; the draft's ids are not in
     # target order, as a distilled vocabulary's are not).
