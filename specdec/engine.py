@@ -119,9 +119,6 @@ class Engine:
         self.draft_max_batch = draft_max_batch
         self.target = target
         self.draft = draft
-        self.default_spec = spec
-        self.jump_forward = jump_forward
-        self.defaults = defaults
         self.masks = masks
         self.kv_store = PromptKVCache()
         self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix`
@@ -129,15 +126,15 @@ class Engine:
         compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
             eos_token_ids=list(target.eos_token_ids), limits=parser_limits)
-        self.context_length = int(target.config.get("max_position_embeddings") or 2048)
+        context_length = int(target.config.get("max_position_embeddings") or 2048)
         if max_kv_tokens == "auto":
-            max_kv_tokens = kv_budget(target, draft, self.context_length)
+            max_kv_tokens = kv_budget(target, draft, context_length)
         if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int)
                                           or max_kv_tokens < 1):
             raise RequestError(f"max_kv_tokens={max_kv_tokens!r}: must be an integer >= 1 "
                                "or None", param="max_kv_tokens")
-        self.max_kv_tokens = max_kv_tokens
-        self.preparer = Preparer(target, compiler, defaults, self.context_length,
+        # (the request settings live in the Preparer alone: `defaults`, `default_spec`, ...)
+        self.preparer = Preparer(target, compiler, defaults, context_length,
                                  max_kv_tokens, spec, draft is not None, jump_forward)
         self._scheduler: Scheduler | None = None  # a thread of its own (`start`)
         self._last: Scheduler | None = None  # the last one started: `close` may still wait on it
@@ -305,6 +302,26 @@ class Engine:
     @property
     def compiler(self) -> GrammarCompiler:
         return self.preparer.compiler
+
+    @property
+    def defaults(self) -> EngineDefaults:
+        return self.preparer.defaults
+
+    @property
+    def default_spec(self) -> SpecConfig:
+        return self.preparer.default_spec
+
+    @property
+    def jump_forward(self) -> bool:
+        return self.preparer.jump_forward
+
+    @property
+    def context_length(self) -> int:
+        return self.preparer.context_length
+
+    @property
+    def max_kv_tokens(self) -> int | None:
+        return self.preparer.max_kv_tokens
 
     @compiler.setter
     def compiler(self, compiler: GrammarCompiler) -> None:  # engines sharing one compiler
