@@ -227,8 +227,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     fields its flags give replaced."""
     from dataclasses import replace
 
-    from .config import MaskBudget
-
     c = DEFAULTS
     spec = {"k": args.k, "draft_min_prob": args.draft_min_prob, "tree": args.tree}
     spec = {k: v for k, v in spec.items() if v is not None}

@@ -29,16 +29,14 @@ from .core import DecodeState, Models, new_state
 from .decode import PREFILL_CHUNK, PromptKVCache
 from .errors import CompileTimeout, DraftConfigError, RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
-from .grammar import CompiledGrammar, GrammarCompiler
+from .grammar import GrammarCompiler
 from .lookup import SuffixStore, grammar_key
 from .models import LoadedModel, gpu_backend
 from .output import Output
 from .prepare import Preparer
-from .reasoning import Thinking
 from .request import GenerateRequest, Request, kv_positions
 from .scheduler import Decisions, Scheduler, SchedulerStats, Ticket, follower
 from .speculative import TreeCosts
-from .tools import ToolFormat
 from .types import TokenId
 
 __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
@@ -72,7 +70,9 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
 
 class Engine:
     """A target model with its grammar compiler, optionally a draft model, and the scheduler
-    that decodes every request submitted to it (started on first use).
+    that decodes every request submitted to it (started on first use). Its `preparer`
+    (`prepare.Preparer`) prepares requests; the request settings and prompt helpers are read
+    through from it (`PREPARER_VIEWS`: `engine.defaults`, `engine.encode(text)`, ...).
 
     Args:
         target: the loaded target model.
@@ -303,54 +303,9 @@ class Engine:
     def compiler(self) -> GrammarCompiler:
         return self.preparer.compiler
 
-    @property
-    def defaults(self) -> EngineDefaults:
-        return self.preparer.defaults
-
-    @property
-    def default_spec(self) -> SpecConfig:
-        return self.preparer.default_spec
-
-    @property
-    def jump_forward(self) -> bool:
-        return self.preparer.jump_forward
-
-    @property
-    def context_length(self) -> int:
-        return self.preparer.context_length
-
-    @property
-    def max_kv_tokens(self) -> int | None:
-        return self.preparer.max_kv_tokens
-
     @compiler.setter
     def compiler(self, compiler: GrammarCompiler) -> None:  # engines sharing one compiler
         self.preparer.compiler = compiler
-
-    def encode(self, text: str, *, raw: bool = False) -> list[TokenId]:
-        return self.preparer.encode(text, raw=raw)
-
-    def decode_text(self, tokens: Sequence[TokenId]) -> str:
-        return self.preparer.decode_text(tokens)
-
-    def chat_prompt(self, messages: list[dict[str, Any]], **kw: Any) -> list[TokenId]:
-        return self.preparer.chat_prompt(messages, **kw)
-
-    def chat_prompt_thinking(self, messages: list[dict[str, Any]], **kw: Any
-                             ) -> tuple[list[TokenId], Thinking]:
-        return self.preparer.chat_prompt_thinking(messages, **kw)
-
-    def tool_format(self, template: str | None = None) -> ToolFormat:
-        return self.preparer.tool_format(template)
-
-    def reasoning_tokens(self, tokens: Sequence[TokenId], thinking: Thinking) -> int:
-        return self.preparer.reasoning_tokens(tokens, thinking)
-
-    def compiled(self, req: Request) -> CompiledGrammar | None:
-        return self.preparer.compiled(req)
-
-    def matcher(self, req: Request) -> Any:
-        return self.preparer.matcher(req)
 
     # -- the state the server and a sharded target's followers read ------------------------
     def status(self) -> "EngineStatus":
@@ -411,6 +366,23 @@ class Engine:
 
 def drop(_event: Event) -> None:
     """The sink of a follower rank's outputs: rank 0 answers the clients."""
+
+
+# The Preparer's settings and helpers, read through the Engine (held once, in the Preparer):
+# `engine.defaults`, `engine.encode(text)`, ...
+PREPARER_VIEWS = ("defaults", "default_spec", "jump_forward", "context_length",
+                  "max_kv_tokens", "encode", "decode_text", "chat_prompt", "chat_prompt_thinking",
+                  "tool_format", "reasoning_tokens", "compiled", "matcher")
+
+
+def _preparers(name: str) -> Any:
+    """An Engine attribute that is its Preparer's (a setting, or a bound method)."""
+    return property(lambda self: getattr(self.preparer, name),
+                    doc=f"`prepare.Preparer.{name}`")
+
+
+for _name in PREPARER_VIEWS:
+    setattr(Engine, _name, _preparers(_name))
 
 
 @dataclass(frozen=True)
