@@ -72,7 +72,8 @@ class Engine:
     """A target model with its grammar compiler, optionally a draft model, and the scheduler
     that decodes every request submitted to it (started on first use). Its `preparer`
     (`prepare.Preparer`) prepares requests; the request settings and prompt helpers are read
-    through from it (`PREPARER_VIEWS`: `engine.defaults`, `engine.encode(text)`, ...).
+    through from it (`PREPARER_SETTINGS`, `PREPARER_HELPERS`: `engine.defaults`,
+    `engine.encode(text)`, ...).
 
     Args:
         target: the loaded target model.
@@ -368,21 +369,31 @@ def drop(_event: Event) -> None:
     """The sink of a follower rank's outputs: rank 0 answers the clients."""
 
 
-# The Preparer's settings and helpers, read through the Engine (held once, in the Preparer):
-# `engine.defaults`, `engine.encode(text)`, ...
-PREPARER_VIEWS = ("defaults", "default_spec", "jump_forward", "context_length",
-                  "max_kv_tokens", "encode", "decode_text", "chat_prompt", "chat_prompt_thinking",
-                  "tool_format", "reasoning_tokens", "compiled", "matcher")
+# The Preparer's settings and prompt helpers, read through the Engine (held once, in the
+# Preparer): `engine.defaults`, `engine.encode(text)`, ... A setting is read-only here (set it
+# on the Preparer); a helper may be replaced on one engine, as a method can (tests wrap
+# `matcher` so).
+PREPARER_SETTINGS = ("defaults", "default_spec", "jump_forward", "context_length",
+                     "max_kv_tokens")
+PREPARER_HELPERS = ("encode", "decode_text", "chat_prompt", "chat_prompt_thinking",
+                    "tool_format", "reasoning_tokens", "compiled", "matcher")
 
 
-def _preparers(name: str) -> Any:
-    """An Engine attribute that is its Preparer's (a setting, or a bound method)."""
-    return property(lambda self: getattr(self.preparer, name),
-                    doc=f"`prepare.Preparer.{name}`")
+class _Preparers:
+    """An Engine attribute that is its Preparer's (a non-data descriptor: an engine may
+    shadow it with its own)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, engine: Any, owner: Any = None) -> Any:
+        return self if engine is None else getattr(engine.preparer, self.name)
 
 
-for _name in PREPARER_VIEWS:
-    setattr(Engine, _name, _preparers(_name))
+for _name in PREPARER_SETTINGS:
+    setattr(Engine, _name, property(_Preparers(_name).__get__, doc=f"`Preparer.{_name}`"))
+for _name in PREPARER_HELPERS:
+    setattr(Engine, _name, _Preparers(_name))
 
 
 @dataclass(frozen=True)
