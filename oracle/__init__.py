@@ -5,9 +5,10 @@ specdec's masking, sampling or acceptance code: masks are unpacked, samples draw
 logprobs computed in numpy, from the documented definitions.
 """
 
+from .closing import BudgetOracle
 from .compare import (Divergence, LogprobComparison, ServedLogprob, compare_logprobs,
                       first_divergence, report)
 from .reference import OracleResult, OracleStep, ThinkingRule, reference_decode
 
-__all__ = ["Divergence", "LogprobComparison", "OracleResult", "OracleStep", "ServedLogprob",
+__all__ = ["BudgetOracle", "Divergence", "LogprobComparison", "OracleResult", "OracleStep", "ServedLogprob",
            "ThinkingRule", "compare_logprobs", "first_divergence", "reference_decode", "report"]

@@ -11,6 +11,7 @@ import numpy as np
 from llguidance import LLMatcher
 from mlx_lm.models.cache import make_prompt_cache
 
+from .closing import BudgetOracle
 from .sampler import decision_scores, gumbel, log_probs, top_logprobs, unpack_mask
 
 SPOT_CHECKS = 6  # tokens per step whose mask bit is re-derived with validate_tokens
@@ -69,7 +70,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                      top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                      logit_bias: Sequence[tuple[int, float]] = (),
                      thinking: ThinkingRule | None = None,
-                     logprobs: int | None = None, cache: list | None = None) -> OracleResult:
+                     logprobs: int | None = None, cache: list | None = None,
+                     budget: BudgetOracle | None = None) -> OracleResult:
     """Decode like the contract says, one forward per token, checking masks as it goes.
 
     Args:
@@ -87,6 +89,9 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
             here from the masked, biased logits (`sampler.log_probs`).
         cache: an mlx-lm prompt cache already holding a proper prefix of the prompt (its
             `offset` tokens), advanced here (pass a copy to reuse it); None: a fresh one.
+        budget: the token-budget rule (`closing.BudgetOracle`, its `max_tokens` this one's):
+            near the end, the pick is the first token whose closing walk fits; a request
+            it steered finishes "length".
     Returns:
         Tokens, finish reason ("stop" / "length") and per-step margins (and logprobs).
     Raises:
@@ -112,6 +117,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         if t < vocab_size:
             bias[t] += np.float32(v)
     forced = 0  # end-marker tokens the thinking budget has forced
+    if budget is not None and matcher is not None:
+        budget.start(matcher)
     for i in range(max_tokens):
         x = logits.copy()
         if len(logit_bias):
@@ -139,6 +146,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         scores = decision_scores(x, temperature=temperature, top_k=top_k, top_p=top_p,
                                  noise=noise)
         tok = int(np.argmax(scores))
+        if budget is not None and matcher is not None:
+            tok = budget.choose(matcher, i, tok, scores)
         order = np.argsort(-scores, kind="stable")[:2]
         runner = int(order[1]) if order[0] == tok else int(order[0])
         lp_fields: dict[str, object] = {}
@@ -158,11 +167,15 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
             finish = "stop"
             break
         tokens.append(tok)
+        if budget is not None:
+            budget.took(tok)
         if matcher is not None and matcher.is_stopped() and i + 1 == max_tokens:
             finish = "stop"  # complete exactly at the limit: only EOS could have followed
             break
         if i + 1 < max_tokens:
             logits = _logits_np(model(mx.array([[tok]], dtype=mx.int32), cache=cache)[0, -1])
+    if finish == "stop" and budget is not None and budget.steered:
+        finish = "length"  # the budget forced the close
     return OracleResult(tuple(tokens), finish, tuple(steps))
 
 

@@ -41,11 +41,12 @@ from collections.abc import Generator, Sequence
 
 import llguidance.numpy as llnp
 
+from .budget import BudgetRule, ranked_ids
 from .decode import PREFILL_CHUNK, PromptKVCache, check_matcher, grammar_failure
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex, SuffixStore
-from .sampling import (SamplingParams, apply_mask, bias_vector, pick, position_noise,
-                       unpack_bitmask)
+from .sampling import (SamplingParams, apply_mask, bias_vector, pick, pick_scores,
+                       position_noise, unpack_bitmask)
 from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, InternalError,
                      SpecdecError)
 from .config import MaskBudget
@@ -165,6 +166,7 @@ class DecodeState:
     next_mask: Future | None = None
     started: float = 0.0
     slow_masks: bool = False  # one fill was slow: decoded plainly, fills at low priority
+    budget: BudgetRule | None = None  # closes the document in time (`budget`)
 
     @property
     def done(self) -> bool:
@@ -229,6 +231,8 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
         _fit_speculation(models, s, horizon)
     s.bias = bias_vector(params, models.vocab_size)
     s.logprobs = req.logprobs
+    if matcher is not None and req.closing is not None:
+        s.budget = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, s.eos)
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if s.spec is not None and s.spec.lookup:
         s.index = NgramIndex(s.seq)
@@ -483,6 +487,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
     # 3. Pick: every request's rows under its own mask, parameters and noise; one sync.
     picks: list[mx.array | None] = []
     lps: dict[int, tuple[mx.array, ...]] = {}
+    rows_of: dict[int, RowScores] = {}
     for i, s in enumerate(live):
         if s.error is not None:
             picks.append(None)
@@ -502,6 +507,8 @@ def run_round(models: Models, states: Sequence[DecodeState],
         picks.append(pick(x, s.params, noise))
         if s.logprobs is not None:
             lps[i] = _logprobs(x, picks[-1], s.params, s.logprobs)
+        if s.budget is not None and s.budget.active(s.emitted + len(props[i])):
+            rows_of[i] = RowScores(x, s.params, noise)
     tw = time.perf_counter()
     mx.eval([p for p in picks if p is not None], list(lps.values()))
     wait = time.perf_counter() - tw
@@ -515,7 +522,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
         if s.error is None:
             try:
                 _accept(s, proposed[i], Verdict(picks[i].tolist(), widths[i], oks[i],
-                                                lps.get(i)))
+                                                lps.get(i), rows_of.get(i)))
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -658,6 +665,27 @@ def _lockstep(models: Models, live: Sequence[DecodeState],
 
 
 @dataclass(frozen=True)
+class RowScores:
+    """A request's verify rows as the decision rule scored them (masked logits `x`, its
+    sampling and the rows' noise), for the budget rule's candidates (`budget.BudgetRule`)."""
+
+    x: mx.array
+    params: SamplingParams
+    noise: mx.array | None
+
+    def ranked(self, row: int) -> list[TokenId]:
+        """Row `row`'s best-scoring tokens (`budget.ranked_ids`)."""
+        noise = None if self.noise is None else self.noise[row:row + 1]
+        scores = pick_scores(self.x[row:row + 1], self.params, noise)
+        return ranked_ids(np.array(scores[0].astype(mx.float32)))
+
+    def logprob(self, row: int, token: TokenId) -> float:
+        """`token`'s logprob at row `row` (`_logprobs`)."""
+        (lp,) = _logprobs(self.x[row:row + 1], mx.array([token]), self.params, 0)
+        return float(lp[0].item())
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What the target made of one request's proposals in a round.
 
@@ -666,12 +694,14 @@ class Verdict:
         width: how many proposals its cache was advanced by (every one, cuts included).
         ok: of a tree, which proposals may be accepted (`tree_masks`); None: all.
         lps: the rows' logprobs (`_logprobs`), where the request asked for them.
+        scores: the rows' scores, where the budget rule may change a pick this round.
     """
 
     picks: list[int]
     width: int
     ok: list[bool] | None = None
     lps: tuple[mx.array, ...] | None = None
+    scores: RowScores | None = None
 
 
 def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
@@ -690,13 +720,22 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
         path = tree_path(props, p.parents, v.ok if v.ok is not None else [True] * len(props),
                          picks)
     rows = [0, *(j + 1 for j in path)]  # the verify row each emitted token is picked at
+    out = [props[j] for j in path] + [int(picks[rows[-1]])]
+    steered: dict[int, float] = {}  # emitted index -> its logprob, where the budget steered
+    if v.scores is not None:
+        at = _steer(s, out, rows, v.scores)
+        if at is not None:
+            k, t = at
+            path, rows, out = path[:k], rows[:k + 1], out[:k] + [t]
+            if v.lps is not None:
+                steered[k] = v.scores.logprob(rows[k], t)
     accepted = len(path)  # the last one emitted is the target's own (bonus) pick
     s.stats.accepted += accepted
     n_chain = len(props) if p.parents is None else p.chain
     on_chain = next((k for k, j in enumerate(path) if j != k or j >= n_chain), accepted)
     for j in path:
         s.stats.accept(p.sources[j], branch=j >= n_chain)
-    n_emit = _emit(s, [props[j] for j in path] + [int(picks[rows[-1]])], rows, v.lps)
+    n_emit = _emit(s, out, rows, v.lps, steered)
     if n_emit is None:
         return
     # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
@@ -711,10 +750,34 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
         trim_cache(s.d_cache, d_len - keep)
 
 
+def _steer(s: DecodeState, out: list[TokenId], rows: list[int], scores: RowScores
+           ) -> tuple[int, TokenId] | None:
+    """The first of the round's emitted tokens `out` the budget rule changes (its index and
+    the token it takes instead), or None (`budget.BudgetRule.decide`, on a matcher copy)."""
+    assert s.budget is not None and s.matcher is not None
+    m, at = s.matcher.deep_copy(), s.budget.nesting
+    for k, t in enumerate(out):
+        n = s.emitted + k
+        if n >= s.max_tokens:
+            break
+        if s.budget.active(n):
+            row = rows[k]
+            got = s.budget.decide(m, n, t, lambda: scores.ranked(row), at)
+            if got != t:
+                return k, got
+        if t in s.eos or not m.consume_token(t) or m.is_error() or m.is_stopped():
+            break
+        at = at.read(s.budget.order.bytes_of(t))
+    return None
+
+
 def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
-          lps: tuple[mx.array, ...] | None) -> int | None:
+          lps: tuple[mx.array, ...] | None, steered: dict[int, float] | None = None
+          ) -> int | None:
     """Emit `out` (each picked at verify row `rows[n]`), consumed by the matcher, until the
-    request ends; returns how many were emitted, None when it ended (finished or failed)."""
+    request ends; returns how many were emitted, None when it ended (finished or failed).
+    `steered`: the logprobs of tokens the budget rule put in place of the pick (by index).
+    A request the budget steered ends "length" (the budget forced its close)."""
     n_emit = 0
     for t in out:
         if s.matcher is not None:
@@ -725,22 +788,32 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
                 s.error = e
                 return None
         if t in s.eos:
-            s.finish = "stop"
+            s.finish = _stopped(s)
             return None
         s.seq.append(t)
         s.new_tokens.append(t)
+        if s.budget is not None:
+            s.budget.advance(t)
         if lps is not None:
             j = rows[n_emit]
             top = () if len(lps) == 1 else tuple(
                 (int(a), float(b)) for a, b in zip(lps[1][j].tolist(), lps[2][j].tolist())
                 if b != -np.inf)
-            s.new_logprobs.append(TokenLogprob(t, float(lps[0][j].item()), top))
+            lp = (steered or {}).get(n_emit)
+            s.new_logprobs.append(TokenLogprob(t, float(lps[0][j].item()) if lp is None
+                                               else lp, top))
         n_emit += 1
         s.emitted += 1
         if s.matcher is not None and s.matcher.is_stopped():
-            s.finish = "stop"
+            s.finish = _stopped(s)
             return None
         if s.emitted >= s.max_tokens:
             s.finish = "length"
             return None
     return n_emit
+
+
+def _stopped(s: DecodeState) -> DecodeFinish:
+    """How a request that ended on its own finishes: "stop", or "length" where the budget
+    rule steered it to close."""
+    return "length" if s.budget is not None and s.budget.steered else "stop"

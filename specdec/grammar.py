@@ -24,6 +24,7 @@ import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from tokenizers import Tokenizer
 
+from .budget import ClosingOrder, need, order_of
 from .errors import GrammarError, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
 from .request import Constraint, ConstraintKind
@@ -235,6 +236,36 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self._orders: dict[int, ClosingOrder] = {}
+        self._needs: OrderedDict[str, int | None] = OrderedDict()
+
+    def closing_order(self, vocab_size: int) -> ClosingOrder:
+        """The tokenizer's closing order for logits `vocab_size` wide (`budget`), built once
+        (~0.1 s)."""
+        with self._lock:
+            hit = self._orders.get(vocab_size)
+        if hit is None:
+            hit = order_of(self.tokenizer, vocab_size)
+            with self._lock:
+                self._orders[vocab_size] = hit
+        return hit
+
+    def minimum(self, grammar: "CompiledGrammar", matcher: Any, vocab_size: int) -> int | None:
+        """The closing walk's length from a fresh `matcher` of `grammar` (`budget.need`; None:
+        longer than its bound), cached by grammar text where `matcher` is the grammar's own
+        (not a thinking matcher, whose budget differs per request)."""
+        plain = type(matcher) is type(grammar._template)
+        if plain:
+            with self._lock:
+                if grammar.text in self._needs:
+                    return self._needs[grammar.text]
+        n = need(matcher, self.closing_order(vocab_size))
+        if plain:
+            with self._lock:
+                self._needs[grammar.text] = n
+                while len(self._needs) > self.cache_size:
+                    self._needs.popitem(last=False)
+        return n
 
     @staticmethod
     def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int],

@@ -29,6 +29,7 @@ from .errors import ChatTemplateError, CompileTimeout, RequestError
 from .grammar import CompiledGrammar, GrammarCompiler, schema_dict, to_grammar
 from .models import LoadedModel
 from .reasoning import Thinking, marker_ids
+from .budget import Closing
 from .request import (DEFAULT_MAX_TOKENS, Constraint, GenerateRequest, Message, NamedTool,
                       Request, SamplingParams, Tool, kv_positions)
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
@@ -225,7 +226,8 @@ class Preparer:
         req = self._prepare_ids(ids, constraint=constraint, sampling=r.sampling,
                                 max_tokens=max_tokens, stop=r.stop, spec=spec,
                                 compile_timeout_s=self.defaults.compile_timeout_s,
-                                logprobs=r.logprobs, thinking=thinking)
+                                logprobs=r.logprobs, thinking=thinking,
+                                close_at_budget=r.close_at_budget)
         return dataclasses.replace(req, tools=tools, calls=calls)
 
     def _tools(self, r: GenerateRequest) -> tuple[Tool, ...]:
@@ -326,7 +328,8 @@ class Preparer:
                      max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
                      spec: SpecConfig | None | Literal["default"] = "default",
                      compile_timeout_s: float | None = None, logprobs: int | None = None,
-                     thinking: Thinking | None = None) -> Request:
+                     thinking: Thinking | None = None, close_at_budget: bool = True
+                     ) -> Request:
         if spec == "default":
             if self.speculates or (constraint is not None and self.jump_forward):
                 spec = self.default_spec
@@ -373,8 +376,28 @@ class Preparer:
                    if constraint is not None else None)
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-        return Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
-                       tuple(stop), spec, grammar, logprobs, thinking)
+        req = Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
+                      tuple(stop), spec, grammar, logprobs, thinking)
+        # (reasoning then answer is not steered yet: a think block has no closing walk)
+        if close_at_budget and grammar is not None and thinking is None:
+            return self._closing(req)
+        return req
+
+    def _closing(self, req: Request) -> Request:
+        """`req` with its budget rule (`budget`): its constraint's minimum budget, a 400
+        naming max_tokens when the budget is below it. A constraint whose closing walk is
+        longer than its bound is not steered."""
+        assert req.grammar is not None
+        minimum = self.compiler.minimum(req.grammar, self.matcher(req), self.target.vocab_size)
+        if minimum is None:
+            return req
+        if req.max_tokens < minimum:
+            raise RequestError(f"max_tokens={req.max_tokens} is below what the constraint "
+                               f"needs: its shortest complete answer takes {minimum} tokens "
+                               f"(give max_tokens >= {minimum})", param="max_tokens",
+                               code="max_tokens_too_small")
+        order = self.compiler.closing_order(self.target.vocab_size)
+        return dataclasses.replace(req, closing=Closing(order, minimum))
 
     def compile(self, constraint: Constraint, timeout_s: float | None = None,
                 thinking: Thinking | None = None) -> CompiledGrammar:

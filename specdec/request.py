@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what `Engine.prepare` fills a prepared `Request` with (anno
     from .reasoning import Thinking
     from .config import SpecConfig
     from .tools import CallParser
+    from .budget import Closing
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 SEED_LIMIT = (1 << 64) - 1
@@ -197,6 +198,9 @@ class GenerateRequest:
         spec: "default" (the engine's speculative settings), None (plain decoding), or
             overrides of `SpecConfig` fields.
         template_kwargs: extra chat-template variables.
+        close_at_budget: a constrained answer closes in time for `max_tokens` (`budget`:
+            near the end it is steered to complete its document); False: it is cut where
+            the budget ends, as plain truncation.
     """
 
     messages: tuple[Message, ...] = ()
@@ -214,6 +218,7 @@ class GenerateRequest:
     logprobs: int | None = None
     spec: SpecOverrides = "default"
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    close_at_budget: bool = True
 
 
 @dataclass(frozen=True)
@@ -233,6 +238,8 @@ class Request:
         thinking: think before the constrained answer (`reasoning.Thinking`), or None.
         tools: the tools the output may call (its grammar holds them).
         calls: how the output's calls are read back (None: the output is text).
+        closing: the budget rule's closing order and the constraint's minimum budget
+            (`budget.Closing`); None: the output is not steered to close in time.
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -246,6 +253,7 @@ class Request:
     thinking: Thinking | None = None
     tools: tuple[Tool, ...] = ()
     calls: CallParser | None = field(default=None, repr=False, compare=False)
+    closing: Closing | None = field(default=None, repr=False, compare=False)
 
     @property
     def warnings(self) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ PACKAGE = ROOT / "specdec"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"types", "errors", "request", "config"}),  # the floor: names every layer shares
     frozenset({"blas", "convert", "ragged", "reasoning", "lookup", "decode", "sampling",
-               "chat", "grammar", "tools", "models", "distill_data"}),  # leaves
+               "chat", "grammar", "tools", "models", "distill_data", "budget"}),  # leaves
     frozenset({"speculative", "events", "output", "core"}),  # the decode core
     frozenset({"scheduler", "distributed"}),  # rounds over requests, and replicas of them
     frozenset({"prepare", "engine"}),  # the door: preparation, models and the scheduler

@@ -34,18 +34,23 @@ def drain(gen):
 
 
 def rounds(models, prompt, *, max_tokens, eos_token_ids=EOS, params=None, matcher=None,
-           spec=None, timings=None, kv_store=None, suffixes=None, suffix_key=None):
+           spec=None, timings=None, kv_store=None, suffixes=None, suffix_key=None,
+           closing=None):
     """One request decoded alone through the core (`core.new_state`, `prefill`, then
     `run_round` until it ends): yields its tokens (EOS never yielded), returns the finish
-    reason; raises the request's GrammarStateError. `timings` collects its counters."""
+    reason; raises the request's GrammarStateError. `timings` collects its counters.
+    `closing`: the budget rule's closing order (`budget.ClosingOrder`): the request closes
+    its document in time (its minimum measured here)."""
+    from specdec.budget import Closing, need
     from specdec.core import new_state, prefill, run_round
     from specdec.request import Request
     from specdec.sampling import SamplingParams
     from specdec.speculative import SpecStats
 
     stats = SpecStats()
+    minimum = None if closing is None or matcher is None else need(matcher, closing)
     req = Request(tuple(prompt), sampling=params or SamplingParams(), max_tokens=max_tokens,
-                  spec=spec)
+                  spec=spec, closing=None if minimum is None else Closing(closing, minimum))
     s = new_state(models, req, eos_token_ids, matcher=matcher, stats=stats,
                   suffixes=suffixes, suffix_key=suffix_key)
     try:

@@ -1,0 +1,156 @@
+"""The token-budget rule, re-implemented from its statement (README, "The token budget"),
+separately from specdec's `budget` module: a bug shared by both would pass the gate.
+
+Level: the output's bytes read as JSON-like text (outside a string `"` opens one, `{` `[`
+open a level and `}` `]` close one; inside, a backslash escapes the next byte and `"`
+closes it); the level is the open levels, plus one inside a string. The closing walk from a
+grammar state: while the grammar may not end, take its first forced token, else among the
+allowed candidates (tokens of the bytes `"{}[],: ` only, and one-byte tokens) the one that
+changes the level least, then the shortest, then the first by its bytes in the order
+`"}], 0-9a-zA-Z` and then the other bytes ascending, then the lowest id; none allowed: the
+lowest allowed id; at most `limit` tokens. The rule at a position with `left` budget
+tokens, the decision rule having picked `t`: checked only while `left - 1 < minimum + 64`;
+`t` stands if the walk after it closes within `left - 1`; else, if the walk from here
+closes within `left`, the first of the 8 best-scoring tokens (score descending, then id,
+finite) whose walk closes within `left - 1`, else the walk's first token (the lowest end id
+where it is empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import llguidance.numpy as llnp
+import numpy as np
+from llguidance import LLMatcher
+
+from .sampler import unpack_mask
+
+WINDOW_SLACK = 64
+TOP = 8
+BYTE_ORDER = b'"}], 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
+
+
+def level_after(state: tuple[int, bool, bool], data: bytes) -> tuple[int, bool, bool]:
+    """(open levels, inside a string, escape pending) after reading `data`."""
+    depth, inside, esc = state
+    for c in data:
+        ch = chr(c)
+        if inside:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                inside = False
+        elif ch == '"':
+            inside = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+    return depth, inside, esc
+
+
+def level(state: tuple[int, bool, bool]) -> int:
+    return state[0] + (1 if state[1] else 0)
+
+
+def tie_key(data: bytes, token: int) -> tuple:
+    ranks = [BYTE_ORDER.index(c) if c in BYTE_ORDER else len(BYTE_ORDER) + c for c in data]
+    return (len(data), ranks, token)
+
+
+@dataclass
+class BudgetOracle:
+    """The rule for one request: the tokenizer's token bytes (by id), the logits width,
+    the end ids, the budget. `minimum` is measured at the start (`start`)."""
+
+    token_bytes: Sequence[bytes]
+    vocab_size: int
+    eos: tuple[int, ...]
+    max_tokens: int
+    minimum: int | None = None
+    steered: list[int] = field(default_factory=list)  # positions the rule changed
+
+    nesting: tuple[int, bool, bool] = (0, False, False)  # after the output so far
+
+    def __post_init__(self) -> None:
+        self.candidates = [i for i, b in enumerate(self.token_bytes)
+                           if len(b) == 1 or (b and set(b) <= set(b'"{}[],: '))]
+
+    def _bytes(self, tok: int) -> bytes:
+        return self.token_bytes[tok] if tok < len(self.token_bytes) else b""
+
+    def walk(self, matcher: LLMatcher, limit: int, state: tuple[int, bool, bool]
+             ) -> list[int] | None:
+        m = matcher.deep_copy()
+        taken: list[int] = []
+        words = llnp.allocate_token_bitmask(1, self.vocab_size)
+        while not m.is_accepting():
+            if len(taken) == limit:
+                return None
+            ff = m.compute_ff_tokens()
+            if len(ff) > 0:
+                tok = ff[0]
+            else:
+                llnp.fill_next_token_bitmask(m, words, 0)
+                if m.is_error():
+                    return None
+                allowed = unpack_mask(words[0], self.vocab_size)
+                if not allowed.any():
+                    return None
+                options = [i for i in self.candidates if allowed[i]]
+                if options:
+                    here = level(state)
+                    tok = min(options, key=lambda i: (
+                        level(level_after(state, self.token_bytes[i])) - here,
+                        tie_key(self.token_bytes[i], i)))
+                else:
+                    tok = int(np.argmax(allowed))
+            if not m.consume_token(tok) or m.is_error():
+                return None
+            taken.append(tok)
+            state = level_after(state, self._bytes(tok))
+        return taken
+
+    def start(self, matcher: LLMatcher) -> int | None:
+        """Measure the minimum at the request's start (None: no closing within 4096)."""
+        w = self.walk(matcher, 4096, self.nesting)
+        self.minimum = None if w is None else len(w)
+        return self.minimum
+
+    def _fits(self, matcher: LLMatcher, tok: int, left: int) -> bool:
+        if tok in self.eos:
+            return matcher.is_accepting()
+        after = matcher.deep_copy()
+        if not after.consume_token(tok) or after.is_error():
+            return False
+        return self.walk(after, left, level_after(self.nesting, self._bytes(tok))) is not None
+
+    def took(self, tok: int) -> None:
+        """The output took `tok` (advances the level reader)."""
+        self.nesting = level_after(self.nesting, self._bytes(tok))
+
+    def choose(self, matcher: LLMatcher, position: int, pick: int,
+               scores: np.ndarray) -> int:
+        """The token at output `position` (0-based), `pick` being the decision rule's."""
+        if self.minimum is None:
+            return pick
+        left = self.max_tokens - position
+        if left - 1 >= self.minimum + WINDOW_SLACK or self._fits(matcher, pick, left - 1):
+            return pick
+        here = self.walk(matcher, left, self.nesting)
+        if here is None:
+            return pick
+        ranked = [int(i) for i in np.argsort(-scores, kind="stable")[:TOP]
+                  if np.isfinite(scores[i])]
+        for tok in ranked:
+            if tok != pick and self._fits(matcher, tok, left - 1):
+                self.steered.append(position)
+                return tok
+        out = here[0] if here else min(self.eos)
+        if out != pick:
+            self.steered.append(position)
+        return out
