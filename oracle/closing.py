@@ -4,9 +4,11 @@ separately from specdec's `budget` module: a bug shared by both would pass the g
 Level: the output's bytes read as JSON-like text (outside a string `"` opens one, `{` `[`
 open a level and `}` `]` close one; inside, a backslash escapes the next byte and `"`
 closes it); the level is the open levels, plus one inside a string. The closing walk from a
-grammar state: while the grammar may not end, take its first forced token, else among the
-allowed candidates (tokens of the bytes `"{}[],: ` only, and one-byte tokens) the one that
-changes the level least, then the shortest, then the first by its bytes in the order
+grammar state: while the grammar may not end, take its first forced token, else (where at
+most 16 tokens are allowed) the lowest one after which the grammar may end, else among the
+allowed candidates (special tokens, read as no text; tokens of the bytes `"{}[],: ` only;
+one-byte tokens) the one that changes the level least, then a special token (by id), then
+the shortest, then the first by its bytes in the order
 `"}], 0-9a-zA-Z` and then the other bytes ascending, then the lowest id; none allowed: the
 lowest allowed id; at most `limit` tokens. The rule at a position with `left` budget
 tokens, the decision rule having picked `t`: checked only while `left - 1 < minimum + 64`;
@@ -27,6 +29,7 @@ from llguidance import LLMatcher
 
 from .sampler import unpack_mask
 
+_BYTES: dict = {}  # (id of a tokenizer, width) -> (the tokenizer, kept alive; its bytes)
 WINDOW_SLACK = 64
 TOP = 8
 BYTE_ORDER = b'"}], 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
@@ -57,9 +60,16 @@ def level(state: tuple[int, bool, bool]) -> int:
     return state[0] + (1 if state[1] else 0)
 
 
+def is_special(data: bytes) -> bool:
+    """llguidance writes a special token as 0xFF and its name."""
+    return len(data) > 1 and data[0] == 0xFF
+
+
 def tie_key(data: bytes, token: int) -> tuple:
+    if is_special(data):
+        return (0, token)
     ranks = [BYTE_ORDER.index(c) if c in BYTE_ORDER else len(BYTE_ORDER) + c for c in data]
-    return (len(data), ranks, token)
+    return (1, len(data), ranks, token)
 
 
 @dataclass
@@ -78,10 +88,22 @@ class BudgetOracle:
 
     def __post_init__(self) -> None:
         self.candidates = [i for i, b in enumerate(self.token_bytes)
-                           if len(b) == 1 or (b and set(b) <= set(b'"{}[],: '))]
+                           if is_special(b) or len(b) == 1
+                           or (b and set(b) <= set(b'"{}[],: '))]
+
+    @staticmethod
+    def of(tokenizer, vocab_size: int, eos: Sequence[int], max_tokens: int) -> "BudgetOracle":
+        """The rule over an llguidance tokenizer's token bytes (its special tokens' bytes
+        start 0xFF: never text)."""
+        key = (id(tokenizer), vocab_size)
+        if key not in _BYTES:
+            n = min(tokenizer.vocab_size, vocab_size)
+            _BYTES[key] = (tokenizer, [tokenizer.decode_bytes([i]) for i in range(n)])
+        return BudgetOracle(_BYTES[key][1], vocab_size, tuple(eos), max_tokens)
 
     def _bytes(self, tok: int) -> bytes:
-        return self.token_bytes[tok] if tok < len(self.token_bytes) else b""
+        b = self.token_bytes[tok] if tok < len(self.token_bytes) else b""
+        return b"" if is_special(b) else b
 
     def walk(self, matcher: LLMatcher, limit: int, state: tuple[int, bool, bool]
              ) -> list[int] | None:
@@ -102,10 +124,19 @@ class BudgetOracle:
                 if not allowed.any():
                     return None
                 options = [i for i in self.candidates if allowed[i]]
-                if options:
+                few = np.flatnonzero(allowed) if allowed.sum() <= 16 else []
+                finishing = []
+                for i in few:
+                    probe = m.deep_copy()
+                    if probe.consume_token(int(i)) and not probe.is_error() and \
+                            probe.is_accepting():
+                        finishing.append(int(i))
+                if finishing:
+                    tok = finishing[0]
+                elif options:
                     here = level(state)
                     tok = min(options, key=lambda i: (
-                        level(level_after(state, self.token_bytes[i])) - here,
+                        level(level_after(state, self._bytes(i))) - here,
                         tie_key(self.token_bytes[i], i)))
                 else:
                     tok = int(np.argmax(allowed))

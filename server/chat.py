@@ -158,7 +158,8 @@ def _common(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     return {"constraint": constraint_of(body), "sampling": sampling_of(body),
             "max_tokens": max_tokens, "stop": (body.stop,) if isinstance(body.stop, str)
             else tuple(body.stop or ()), "spec": spec_overrides(
-                body.num_draft_tokens, body.draft_masking, body.prompt_lookup)}
+                body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
+            "close_at_budget": body.close_at_budget is not False}
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> GenerateRequest:

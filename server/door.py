@@ -580,7 +580,7 @@ def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> di
             "rounds": c.rounds, "proposed": c.proposed, "accepted": c.accepted,
             "acceptance_rate": round(c.acceptance_rate, 4),
             **c.source_counts(),  # by source and on branches: `forced`, `forced_accepted`, ...
-            "grammar_cuts": c.grammar_cuts,
+            "grammar_cuts": c.grammar_cuts, "budget_steered": c.budget_steered,
             "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
             "seconds": round(stats.seconds, 6), "warnings": list(warnings),
             **({"spec_off": c.spec_off} if getattr(c, "spec_off", "") else {})}

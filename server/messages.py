@@ -142,7 +142,8 @@ def to_request(body: MessagesBody) -> GenerateRequest:
                                 1.0 if body.top_p is None else body.top_p, body.top_k or 0,
                                 body.seed),
         max_tokens=body.max_tokens, stop=tuple(body.stop_sequences),
-        spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup))
+        spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
+        close_at_budget=body.close_at_budget is not False)
 
 
 # -- events -> the wire -----------------------------------------------------------------------

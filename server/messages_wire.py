@@ -173,3 +173,6 @@ class MessagesBody(CountTokensBody):
     num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
     draft_masking: bool | None = None
     prompt_lookup: bool | None = None
+    close_at_budget: bool | None = Field(
+        None, description="true (the default): a constrained answer closes its document in "
+                          "time for the token budget; false: it is cut where the budget ends")

@@ -24,7 +24,8 @@ class Metrics:
             "prompt_tokens_total": 0, "completion_tokens_total": 0,
             "draft_proposed_total": 0, "draft_accepted_total": 0,
             **{source_metric(name): 0 for name in SpecStats().source_counts()},
-            "grammar_cuts_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
+            "grammar_cuts_total": 0, "budget_closings_total": 0,
+            "budget_steered_tokens_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
             "requests_rejected_total": 0,
         }
 
@@ -39,6 +40,8 @@ class Metrics:
                  draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
                  **{source_metric(k): v for k, v in stats.source_counts().items()},
                  grammar_cuts_total=stats.grammar_cuts,
+                 budget_closings_total=int(stats.budget_steered > 0),
+                 budget_steered_tokens_total=stats.budget_steered,
                  mask_seconds_total=stats.mask_s, decode_seconds_total=seconds)
 
     def render(self, queue_depth: int, sched: Any = None, active: int = 0,

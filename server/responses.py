@@ -135,7 +135,8 @@ def to_request(body: ResponsesRequest) -> GenerateRequest:
         budget is not None, thinking_budget=budget,
         reasoning_effort=effort if effort not in (None, "none") else None,
         spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
-        template_kwargs=body.chat_template_kwargs or {})
+        template_kwargs=body.chat_template_kwargs or {},
+        close_at_budget=body.close_at_budget is not False)
 
 
 def head(body: ResponsesRequest, run: Run, model: str) -> dict[str, Any]:

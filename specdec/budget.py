@@ -5,18 +5,21 @@ document is complete when the budget runs out. The rule, stated once (the oracle
 it separately, `oracle/closing.py`; the README's "The token budget" says it for users):
 
 **Nesting.** The output's bytes are read as JSON-like text: outside a string, `"` opens one
-and `{` `[` open a level, `}` `]` close one; inside, `\\` escapes the next
+and `{` `[` open a level, `}` `]` close one; inside, a backslash escapes the next
 byte and `"` closes it. The *level* is the open levels plus one inside a string.
 
 **The closing walk** from a grammar state (and the level there) is the token path the walk
 takes until the grammar may end (`is_accepting`), one token a step, at most `limit` tokens
 (else it has no closing within that bound):
   1. the grammar's first forced token (`compute_ff_tokens()[0]`), where it forces one;
-  2. else, of the *candidates* the mask allows, the one whose bytes change the level the
-     least (closing most), ties to the longest, then to the first by their bytes in the
-     byte order `"` `}` `]` `,` space `0`-`9` `a`-`z` `A`-`Z`, then every other byte
+  2. else, where the mask allows at most `FEW` (16) tokens and one lets the grammar end
+     right after it, the lowest such id (markup that closes: a calls-end token);
+  3. else, of the *candidates* the mask allows, the one whose bytes change the level the
+     least (closing most), ties to a special token, then to the shortest, then to the
+     first by their bytes in the byte order `"` `}` `]` `,` space `0`-`9` `a`-`z` `A`-`Z`, then every other byte
      ascending; none allowed: the lowest allowed id (an empty mask: no closing).
-The candidates are the tokens made only of the bytes `"{}[],: ` and the one-byte tokens.
+The candidates are the special tokens (markup: no text, no level change; first among
+equal changes, by id), the tokens made only of the bytes `"{}[],: ` and the one-byte tokens.
 `need(state)`: the walk's length; the request's *minimum* is the need at its start.
 
 **The rule** at an output position with `left` tokens of the budget (this one included),
@@ -53,7 +56,8 @@ BYTE_ORDER = (b'"}], ' + bytes(range(0x30, 0x3A)) + bytes(range(0x61, 0x7B))
               + bytes(range(0x41, 0x5B)))
 SLACK = 64  # the rule is checked from `minimum + SLACK` tokens before the budget's end
 CANDIDATES = 8  # the row's best-scoring tokens the rule considers before the walk's own
-NEED_LIMIT = 4096  # the longest walk measured for a request's minimum
+NEED_LIMIT = 4096
+FEW = 16  # where the mask allows at most this many tokens, one that ends the grammar first  # the longest walk measured for a request's minimum
 _RANK = {c: n for n, c in enumerate(BYTE_ORDER)}
 
 
@@ -88,8 +92,15 @@ class Nesting:
         return Nesting(depth, in_string, escaped)
 
 
+def special(b: bytes) -> bool:
+    """Whether token bytes are a special token's (llguidance: 0xFF, then its name)."""
+    return len(b) > 1 and b[0] == 0xFF
+
+
 def _static_key(b: bytes) -> tuple:
-    return (len(b), tuple(_RANK.get(c, len(_RANK) + c) for c in b))
+    if special(b):
+        return (0,)
+    return (1, len(b), tuple(_RANK.get(c, len(_RANK) + c) for c in b))
 
 
 @dataclass(frozen=True)
@@ -104,12 +115,13 @@ class ClosingOrder:
 
     @staticmethod
     def of(token_bytes: Sequence[bytes], vocab_size: int) -> "ClosingOrder":
-        """The tables over ids [0, len(token_bytes)) (special tokens: bytes that are not
-        text, e.g. llguidance's 0xFF marker, so never candidates)."""
+        """The tables over ids [0, len(token_bytes)); a special token's bytes are
+        llguidance's 0xFF marker and its name (`special`): read as no text."""
+        text = [b"" if special(b) else b for b in token_bytes]
         ids = [i for i, b in enumerate(token_bytes)
-               if b and (len(b) == 1 or all(c in STRUCTURE for c in b))]
+               if special(b) or (b and (len(b) == 1 or all(c in STRUCTURE for c in b)))]
         ids.sort(key=lambda i: (_static_key(token_bytes[i]), i))
-        return ClosingOrder(tuple(token_bytes), np.array(ids, dtype=np.int64), vocab_size)
+        return ClosingOrder(tuple(text), np.array(ids, dtype=np.int64), vocab_size)
 
     def deltas(self, at: Nesting) -> np.ndarray:
         """Each candidate's level change read from `at` (cached by `at`'s string state)."""
@@ -142,6 +154,12 @@ def _allowed(matcher, vocab_size: int) -> np.ndarray | None:
     return bits.astype(bool)
 
 
+def _ends_after(matcher, token: TokenId) -> bool:
+    """Whether the grammar may end right after `token`."""
+    m = matcher.deep_copy()
+    return bool(m.consume_token(token)) and not m.is_error() and bool(m.is_accepting())
+
+
 def closing(matcher, order: ClosingOrder, limit: int, at: Nesting = Nesting()
             ) -> list[TokenId] | None:
     """The closing walk from `matcher`'s state (on a copy) and the level reader's `at`, or
@@ -158,8 +176,12 @@ def closing(matcher, order: ClosingOrder, limit: int, at: Nesting = Nesting()
             ok = _allowed(m, order.vocab_size)
             if ok is None or not ok.any():
                 return None
+            few = np.flatnonzero(ok) if ok.sum() <= FEW else ()
+            ends = [int(i) for i in few if _ends_after(m, int(i))]
             fits = ok[order.candidates]
-            if fits.any():
+            if ends:
+                t = ends[0]
+            elif fits.any():
                 d = np.where(fits, order.deltas(at), np.iinfo(np.int64).max)
                 t = int(order.candidates[int(np.argmin(d))])
             else:

@@ -726,6 +726,7 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
         at = _steer(s, out, rows, v.scores)
         if at is not None:
             k, t = at
+            s.stats.budget_steered = s.budget.steered if s.budget is not None else 0
             path, rows, out = path[:k], rows[:k + 1], out[:k] + [t]
             if v.lps is not None:
                 steered[k] = v.scores.logprob(rows[k], t)
@@ -816,4 +817,4 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
 def _stopped(s: DecodeState) -> DecodeFinish:
     """How a request that ended on its own finishes: "stop", or "length" where the budget
     rule steered it to close."""
-    return "length" if s.budget is not None and s.budget.steered else "stop"
+    return "length" if s.stats.budget_steered else "stop"

@@ -145,6 +145,8 @@ class SpecStats(StepTimings):
         branched, branched_accepted: proposals on a token tree's branches (off the chain;
             also counted by source), and how many of those were accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
+        budget_steered: output positions the token-budget rule changed (`budget`): the
+            budget forced the document's close.
         draft_load_skips: rounds in which the draft model was left out because the batch
             was larger than `Models.draft_max_batch`.
         draft_s, verify_s: time in draft and verify phases.
@@ -160,6 +162,7 @@ class SpecStats(StepTimings):
     branched: int = 0
     branched_accepted: int = 0
     grammar_cuts: int = 0
+    budget_steered: int = 0
     draft_load_skips: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -554,9 +554,45 @@ def _schema(t: ToolSpec, schema: Mapping[str, Any]) -> str:
     return "%json " + json.dumps(s, ensure_ascii=False)
 
 
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties",
+                   "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+               "unevaluatedProperties", "propertyNames")
+
+
+def closed(schema: Any) -> Any:
+    """A tool's parameter schema with every object that does not say `additionalProperties`
+    admitting only the properties it names (xgrammar's default for tools in vLLM and
+    SGLang): a model cannot add a property the tool never named, nor grow a free object
+    until the budget ends. `additionalProperties: true` or a schema keeps an object open;
+    the branches of an `allOf` are left as they are (closing each would refuse the others'
+    properties)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = closed(out[key])
+    is_object = out.get("type") == "object" or (
+        isinstance(out.get("type"), list) and "object" in out["type"]) or (
+        "type" not in out and "properties" in out)
+    if is_object and "additionalProperties" not in out and "allOf" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _arguments(t: ToolSpec) -> dict[str, Any]:
-    """A tool's parameters as the arguments' schema: an object, whatever it leaves out."""
-    schema = dict(t.parameters)
+    """A tool's parameters as the arguments' schema: an object, whatever it leaves out; its
+    objects closed to the properties they name (`closed`)."""
+    schema = closed(dict(t.parameters))
     if "type" not in schema and not any(k in schema for k in ("anyOf", "oneOf", "allOf",
                                                               "$ref", "enum", "const")):
         schema["type"] = "object"
@@ -595,7 +631,7 @@ def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str], lk: Lark)
         if sub.get("type") == "string" and isinstance(sub.get("enum"), list):
             value = "(" + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + ")"
         else:
-            value = f"VALUE_{i}" if sub.get("type") == "string" else _schema(t, sub)
+            value = f"VALUE_{i}" if sub.get("type") == "string" else _schema(t, closed(sub))
         rules.append(f"p_{i}_{j}: {json.dumps(k)} {lk.expr(x.mid)} {value} {lk.expr(end)}")
     for j in range(n, -1, -1):
         for started in (0, 1):

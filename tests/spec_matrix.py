@@ -28,7 +28,7 @@ def main(out_path: str) -> int:
 
     ensure_blas("openblas")
     import specdec
-    from oracle import reference_decode, report
+    from oracle import BudgetOracle, reference_decode, report
     from specdec.engine import Engine
     from specdec.grammar import Constraint
     from specdec.speculative import SpecConfig
@@ -43,7 +43,8 @@ def main(out_path: str) -> int:
         c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
         oracle = oracles[case.name] = reference_decode(
             m.model, ids, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
-            max_tokens=32, matcher=engine.compiler.compile(c).matcher())
+            max_tokens=32, matcher=engine.compiler.compile(c).matcher(),
+            budget=BudgetOracle.of(engine.compiler.tokenizer, m.vocab_size, m.eos_token_ids, 32))
         for spec in (None, SpecConfig(2, True), SpecConfig(4, True), SpecConfig(4, False)):
             r = engine.generate(engine.prepare(ids, constraint=c, max_tokens=32, spec=spec))
             cells += 1

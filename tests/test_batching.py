@@ -25,8 +25,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.workloads import CASES
-from oracle import reference_decode
+from oracle import BudgetOracle, reference_decode
 from specdec import blas, ragged
+from specdec.budget import Closing, need
 from specdec.core import Models, new_state, prefill, run_round
 from specdec.grammar import Constraint
 from specdec.lookup import SuffixStore
@@ -66,8 +67,16 @@ def _request(rng: random.Random, compiler, prompt, kind: str | None = None) -> d
     if p.seed is not None:
         p = SamplingParams(p.temperature, p.top_p, p.top_k, rng.randrange(1000))
     extra = [rng.randrange(300, 9000) for _ in range(rng.randrange(0, 6))]
+    # Most constrained requests close in time for their budget (`budget`), a few tokens
+    # above their minimum, so the rule steers their ends; the others are cut where it ends.
+    closing = None
+    max_tokens = rng.randrange(6, 24)
+    if constraint is not None and rng.random() < 0.75:
+        order = compiler.closing_order(WIDTH)
+        closing = Closing(order, need(compiler.compile(constraint).matcher(), order))
+        max_tokens = closing.minimum + rng.randrange(0, 8)
     return {"prompt": list(prompt) + extra, "params": p, "spec": spec,
-            "constraint": constraint, "max_tokens": rng.randrange(6, 24)}
+            "constraint": constraint, "max_tokens": max_tokens, "closing": closing}
 
 
 # Earlier answers for suffix proposals: every request decoded alone adds its output, so the
@@ -83,7 +92,7 @@ def _key(r) -> str | None:
 def _state(models, compiler, r):
     m = compiler.compile(r["constraint"]).matcher() if r["constraint"] else None
     req = Request(tuple(r["prompt"]), sampling=r["params"], max_tokens=r["max_tokens"],
-                  spec=r["spec"])
+                  spec=r["spec"], closing=r["closing"])
     return new_state(models, req, EOS, matcher=m, suffixes=STORE, suffix_key=_key(r))
 
 
@@ -91,13 +100,15 @@ def _alone(models, compiler, r):
     m = compiler.compile(r["constraint"]).matcher() if r["constraint"] else None
     out = drain(decode_rounds(models, r["prompt"], max_tokens=r["max_tokens"],
                               eos_token_ids=EOS, params=r["params"], spec=r["spec"],
-                              matcher=m, suffixes=STORE, suffix_key=_key(r)))
+                              matcher=m, suffixes=STORE, suffix_key=_key(r),
+                              closing=r["closing"] and r["closing"].order))
     STORE.add(_key(r), out[0], lead=r["prompt"])
     return out
 
 
 LOAD_SKIPS: list[int] = []  # per batched needle run: rounds its draft model was left out
 BRANCHED: list[int] = []  # per batched needle run: its token trees' branch proposals
+STEERED: list[int] = []  # per batched needle run: positions the budget rule changed
 
 
 def _in_batch(models, compiler, needle, rng: random.Random):
@@ -127,6 +138,7 @@ def _in_batch(models, compiler, needle, rng: random.Random):
     assert s.error is None, s.error
     LOAD_SKIPS.append(s.stats.draft_load_skips)
     BRANCHED.append(s.stats.branched)
+    STEERED.append(s.stats.budget_steered)
     tally.record_sources("tiny needle in a random batch", s.stats)
     return out, s.finish
 
@@ -146,8 +158,14 @@ def test_needle_alone_equals_needle_in_random_batches_and_the_oracle(models, com
         oracle = reference_decode(models.target, needle["prompt"], vocab_size=WIDTH,
                                   eos_token_ids=EOS, max_tokens=needle["max_tokens"],
                                   matcher=m, temperature=p.temperature, top_k=p.top_k,
-                                  top_p=p.top_p, seed=p.seed or 0)
+                                  top_p=p.top_p, seed=p.seed or 0,
+                                  budget=needle["closing"] and BudgetOracle.of(
+                                      compiler.tokenizer, WIDTH, EOS, needle["max_tokens"]))
         assert want[0] == list(oracle.tokens), f"alone vs oracle, trial {trial}"
+        assert want[1] == oracle.finish_reason, f"alone vs oracle, trial {trial}"
+        if needle["closing"] is not None:  # the budget closed its document
+            done = compiler.compile(needle["constraint"]).matcher()
+            assert done.try_consume_tokens(want[0]) == len(want[0]) and done.is_accepting()
         for b in range(3):
             got = _in_batch(models, compiler, needle, rng)
             same = got == want
@@ -155,6 +173,7 @@ def test_needle_alone_equals_needle_in_random_batches_and_the_oracle(models, com
             assert same, f"trial {trial} batch {b}: {got} != {want} ({needle})"
     assert any(LOAD_SKIPS[start:]), "no batched run left the draft model out (path untested)"
     assert any(BRANCHED[start:]), "no batched run verified a token tree (path untested)"
+    assert any(STEERED[start:]), "no batched needle was steered by its budget (path untested)"
 
 
 def _segments_alone(model, prompt, steps):

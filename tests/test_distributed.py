@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from oracle import reference_decode
+from oracle import BudgetOracle, reference_decode
 from specdec import blas
 from specdec.engine import Engine
 from specdec.grammar import Constraint
@@ -100,7 +100,10 @@ def test_sharded_output_equals_single_process_but_for_near_ties(dirs):
                                            max_tokens=MAX_TOKENS,
                                            matcher=g.matcher() if g else None,
                                            temperature=params.temperature, top_k=params.top_k,
-                                           seed=params.seed or 0)
+                                           seed=params.seed or 0,
+                                           budget=BudgetOracle.of(
+                                               e.compiler.tokenizer, target.vocab_size,
+                                               target.eos_token_ids, MAX_TOKENS) if g else None)
                     margin = ref.steps[at].margin if at < len(ref.steps) else 0.0
                     if margin < NEAR_TIE:
                         near += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from oracle import reference_decode
+from oracle import BudgetOracle, reference_decode
 from specdec import blas
 from specdec.engine import Engine
 from specdec.grammar import Constraint
@@ -49,7 +49,9 @@ def _plain_and_oracle(e, target, ids, constraint, params):
                            eos_token_ids=target.eos_token_ids, max_tokens=MAX_TOKENS,
                            matcher=g.matcher() if g else None, temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=params.seed or 0,
-                           logit_bias=params.logit_bias)
+                           logit_bias=params.logit_bias,
+                           budget=BudgetOracle.of(e.compiler.tokenizer, target.vocab_size,
+                                                  target.eos_token_ids, MAX_TOKENS) if g else None)
     return want, ref
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from oracle import (LogprobComparison, OracleResult, OracleStep, ServedLogprob,
+from oracle import (BudgetOracle, LogprobComparison, OracleResult, OracleStep, ServedLogprob,
                     compare_logprobs, reference_decode)
 from oracle.compare import SHAPE_TOL
 from oracle.reference import NEAR_TIE
@@ -131,7 +131,10 @@ def _oracle(server, embedded, cell: Cell, body: dict[str, Any]) -> OracleResult:
             eos_token_ids=embedded.eos_token_ids, max_tokens=req.max_tokens, matcher=matcher,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed or 0,
             logit_bias=p.logit_bias, logprobs=req.logprobs,
-            cache=copy.deepcopy(_prefixes[head]))
+            cache=copy.deepcopy(_prefixes[head]),
+            budget=BudgetOracle.of(server.engine.compiler.tokenizer, embedded.vocab_size,
+                                   embedded.eos_token_ids, req.max_tokens)
+            if matcher is not None and req.thinking is None else None)
     return _oracles[key]
 
 

@@ -107,7 +107,8 @@ def test_calls_are_written_as_the_template_renders_them_and_read_back(tool_engin
         cases.append((cases[0][0], "Let me check."))
     # Harmony writes each call as a turn of its own; Llama 3.1's template refuses two
     assert fmt.parallel == (key not in ("harmony", "llama31")), fmt
-    req = e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER, CLOCK), max_tokens=8))
+    req = e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER, CLOCK), max_tokens=8,
+                                    close_at_budget=False))  # (the grammar is what it reads)
     for calls, text in cases:
         written = fmt.write(calls, text)
         if key != "generic":  # generic: written into the assistant's text by construction
@@ -185,7 +186,7 @@ EXACT_FORMATS = ["hermes", "mistral", "qwen3_coder", "harmony", "generic"]
 
 
 def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
-    from oracle import ThinkingRule, reference_decode
+    from oracle import BudgetOracle, ThinkingRule, reference_decode
     from specdec.reasoning import marker_ids
 
     t, s = engine.target, req.sampling
@@ -203,7 +204,10 @@ def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
                            matcher=LLMatcher(engine.compiler.tokenizer, req.grammar.text,
                                              log_level=0),
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                           seed=s.seed or 0, logit_bias=s.logit_bias, thinking=rule)
+                           seed=s.seed or 0, logit_bias=s.logit_bias, thinking=rule,
+                           budget=None if rule is not None else BudgetOracle.of(
+                               engine.compiler.tokenizer, t.vocab_size, t.eos_token_ids,
+                               req.max_tokens))
     return ref.tokens
 
 
