@@ -5,8 +5,12 @@ Level: the output's bytes read as JSON-like text (outside a string `"` opens one
 open a level and `}` `]` close one; inside, a backslash escapes the next byte and `"`
 closes it); the level is the open levels, plus one inside a string. The closing walk from a
 grammar state: while the grammar may not end, take its first forced token, else (where at
-most 16 tokens are allowed) the lowest one after which the grammar may end, else among the
-allowed candidates (special tokens, read as no text; tokens of the bytes `"{}[],: ` only;
+most 16 tokens are allowed) the lowest one after which the grammar may end, else a
+hint's next token (a request's token sequences that end free text: for each in order, for
+each start of it the output ends with, longest first and the empty one last, its next
+token where the grammar takes the hint's rest and then allows at most 16 tokens or may
+end), else among the allowed
+candidates (special tokens, read as no text; tokens of the bytes `"{}[],: ` only;
 one-byte tokens) the one that changes the level least, then a special token (by id), then
 the shortest, then the first by its bytes in the order
 `"}], 0-9a-zA-Z` and then the other bytes ascending, then the lowest id; none allowed: the
@@ -81,10 +85,11 @@ class BudgetOracle:
     vocab_size: int
     eos: tuple[int, ...]
     max_tokens: int
+    hints: Sequence[Sequence[int]] = ()  # token sequences that end free text
     minimum: int | None = None
     steered: list[int] = field(default_factory=list)  # positions the rule changed
-
     nesting: tuple[int, bool, bool] = (0, False, False)  # after the output so far
+    output: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.candidates = [i for i, b in enumerate(self.token_bytes)
@@ -92,21 +97,37 @@ class BudgetOracle:
                            or (b and set(b) <= set(b'"{}[],: '))]
 
     @staticmethod
-    def of(tokenizer, vocab_size: int, eos: Sequence[int], max_tokens: int) -> "BudgetOracle":
+    def of(tokenizer, vocab_size: int, eos: Sequence[int], max_tokens: int,
+           hints: Sequence[Sequence[int]] = ()) -> "BudgetOracle":
         """The rule over an llguidance tokenizer's token bytes (its special tokens' bytes
         start 0xFF: never text)."""
         key = (id(tokenizer), vocab_size)
         if key not in _BYTES:
             n = min(tokenizer.vocab_size, vocab_size)
             _BYTES[key] = (tokenizer, [tokenizer.decode_bytes([i]) for i in range(n)])
-        return BudgetOracle(_BYTES[key][1], vocab_size, tuple(eos), max_tokens)
+        return BudgetOracle(_BYTES[key][1], vocab_size, tuple(eos), max_tokens, hints)
 
     def _bytes(self, tok: int) -> bytes:
         b = self.token_bytes[tok] if tok < len(self.token_bytes) else b""
         return b"" if is_special(b) else b
 
-    def walk(self, matcher: LLMatcher, limit: int, state: tuple[int, bool, bool]
-             ) -> list[int] | None:
+    def _hint(self, m: LLMatcher, seq: list[int]) -> int | None:
+        words = llnp.allocate_token_bitmask(1, self.vocab_size)
+        for h in self.hints:
+            h = [int(t) for t in h]
+            for k in reversed(range(len(h))):
+                if k > 0 and seq[-k:] != h[:k]:
+                    continue
+                probe = m.deep_copy()
+                if not all(probe.consume_token(t) for t in h[k:]) or probe.is_error():
+                    continue
+                llnp.fill_next_token_bitmask(probe, words, 0)
+                if probe.is_accepting() or unpack_mask(words[0], self.vocab_size).sum() <= 16:
+                    return h[k]
+        return None
+
+    def walk(self, matcher: LLMatcher, limit: int, state: tuple[int, bool, bool],
+             before: Sequence[int] = ()) -> list[int] | None:
         m = matcher.deep_copy()
         taken: list[int] = []
         words = llnp.allocate_token_bitmask(1, self.vocab_size)
@@ -131,8 +152,12 @@ class BudgetOracle:
                     if probe.consume_token(int(i)) and not probe.is_error() and \
                             probe.is_accepting():
                         finishing.append(int(i))
+                hinted = None if finishing or not self.hints else \
+                    self._hint(m, list(before) + taken)
                 if finishing:
                     tok = finishing[0]
+                elif hinted is not None:
+                    tok = hinted
                 elif options:
                     here = level(state)
                     tok = min(options, key=lambda i: (
@@ -148,7 +173,7 @@ class BudgetOracle:
 
     def start(self, matcher: LLMatcher) -> int | None:
         """Measure the minimum at the request's start (None: no closing within 4096)."""
-        w = self.walk(matcher, 4096, self.nesting)
+        w = self.walk(matcher, 4096, self.nesting, self.output)
         self.minimum = None if w is None else len(w)
         return self.minimum
 
@@ -158,11 +183,13 @@ class BudgetOracle:
         after = matcher.deep_copy()
         if not after.consume_token(tok) or after.is_error():
             return False
-        return self.walk(after, left, level_after(self.nesting, self._bytes(tok))) is not None
+        return self.walk(after, left, level_after(self.nesting, self._bytes(tok)),
+                         self.output + [tok]) is not None
 
     def took(self, tok: int) -> None:
         """The output took `tok` (advances the level reader)."""
         self.nesting = level_after(self.nesting, self._bytes(tok))
+        self.output.append(tok)
 
     def choose(self, matcher: LLMatcher, position: int, pick: int,
                scores: np.ndarray) -> int:
@@ -172,7 +199,7 @@ class BudgetOracle:
         left = self.max_tokens - position
         if left - 1 >= self.minimum + WINDOW_SLACK or self._fits(matcher, pick, left - 1):
             return pick
-        here = self.walk(matcher, left, self.nesting)
+        here = self.walk(matcher, left, self.nesting, self.output)
         if here is None:
             return pick
         ranked = [int(i) for i in np.argsort(-scores, kind="stable")[:TOP]

@@ -14,7 +14,12 @@ takes until the grammar may end (`is_accepting`), one token a step, at most `lim
   1. the grammar's first forced token (`compute_ff_tokens()[0]`), where it forces one;
   2. else, where the mask allows at most `FEW` (16) tokens and one lets the grammar end
      right after it, the lowest such id (markup that closes: a calls-end token);
-  3. else, of the *candidates* the mask allows, the one whose bytes change the level the
+  3. else a *hint*'s next token (hints: token sequences that end free text in the
+     request's grammar, e.g. a tool format's `</parameter>`): for each hint in order, for
+     each start of it the output ends with (longest first, the empty one last), its next
+     token, where the grammar takes the rest of the hint and then allows at most `FEW`
+     tokens (or may end);
+  4. else, of the *candidates* the mask allows, the one whose bytes change the level the
      least (closing most), ties to a special token, then to the shortest, then to the
      first by their bytes in the byte order `"` `}` `]` `,` space `0`-`9` `a`-`z` `A`-`Z`, then every other byte
      ascending; none allowed: the lowest allowed id (an empty mask: no closing).
@@ -160,10 +165,43 @@ def _ends_after(matcher, token: TokenId) -> bool:
     return bool(m.consume_token(token)) and not m.is_error() and bool(m.is_accepting())
 
 
-def closing(matcher, order: ClosingOrder, limit: int, at: Nesting = Nesting()
-            ) -> list[TokenId] | None:
-    """The closing walk from `matcher`'s state (on a copy) and the level reader's `at`, or
-    None when it does not reach a state where the grammar may end within `limit` tokens."""
+@dataclass(frozen=True)
+class Place:
+    """Where a walk stands beyond its grammar state: the level reader's state after the
+    output so far, and the output's last tokens (as many as the longest hint)."""
+
+    nesting: Nesting = Nesting()
+    tail: tuple[TokenId, ...] = ()
+
+    def after(self, order: ClosingOrder, token: TokenId, keep: int) -> "Place":
+        return Place(self.nesting.read(order.bytes_of(token)),
+                     (self.tail + (token,))[-keep:] if keep else ())
+
+
+def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
+            tail: tuple[TokenId, ...]) -> TokenId | None:
+    """A hint's next token: for each hint in order, for each start of it the output ends
+    with (longest first, the empty one last), its next token where the grammar takes the
+    hint's rest and then leaves free text (allows at most `FEW` tokens)."""
+    for h in hints:
+        for k in range(len(h) - 1, -1, -1):
+            if k and tuple(tail[-k:]) != tuple(h[:k]):
+                continue
+            m = matcher.deep_copy()
+            if not all(m.consume_token(int(t)) for t in h[k:]) or m.is_error():
+                continue
+            ok = _allowed(m, order.vocab_size)
+            if ok is not None and (m.is_accepting() or ok.sum() <= FEW):
+                return int(h[k])
+    return None
+
+
+def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
+            hints: Sequence[Sequence[TokenId]] = ()) -> list[TokenId] | None:
+    """The closing walk from `matcher`'s state (on a copy) and `at`, or None when it does
+    not reach a state where the grammar may end within `limit` tokens. `hints`: token
+    sequences that end free text in this grammar (a tool format's raw value end)."""
+    keep = max((len(h) for h in hints), default=0)
     m = matcher.deep_copy()
     out: list[TokenId] = []
     while not m.is_accepting():
@@ -179,29 +217,33 @@ def closing(matcher, order: ClosingOrder, limit: int, at: Nesting = Nesting()
             few = np.flatnonzero(ok) if ok.sum() <= FEW else ()
             ends = [int(i) for i in few if _ends_after(m, int(i))]
             fits = ok[order.candidates]
+            hinted = None if ends or not hints else _hinted(m, order, hints, at.tail)
             if ends:
                 t = ends[0]
+            elif hinted is not None:
+                t = hinted
             elif fits.any():
-                d = np.where(fits, order.deltas(at), np.iinfo(np.int64).max)
+                d = np.where(fits, order.deltas(at.nesting), np.iinfo(np.int64).max)
                 t = int(order.candidates[int(np.argmin(d))])
             else:
                 t = int(np.flatnonzero(ok)[0])
         if not m.consume_token(t):
             return None
-        at = at.read(order.bytes_of(t))
+        at = at.after(order, t, keep)
         out.append(t)
     return out
 
 
-def need(matcher, order: ClosingOrder, limit: int = NEED_LIMIT, at: Nesting = Nesting()
-         ) -> int | None:
+def need(matcher, order: ClosingOrder, limit: int = NEED_LIMIT, at: Place = Place(),
+         hints: Sequence[Sequence[TokenId]] = ()) -> int | None:
     """The walk's length from `matcher`'s state (None: longer than `limit`)."""
-    walk = closing(matcher, order, limit, at)
+    walk = closing(matcher, order, limit, at, hints)
     return None if walk is None else len(walk)
 
 
 def closes_after(matcher, token: TokenId, order: ClosingOrder, left: int,
-                 eos: frozenset[int], at: Nesting) -> bool:
+                 eos: frozenset[int], at: Place, hints: Sequence[Sequence[TokenId]] = ()
+                 ) -> bool:
     """Whether the walk from the state after `token` closes within `left` tokens (an end
     token: whether the grammar may end here)."""
     if token in eos:
@@ -209,7 +251,8 @@ def closes_after(matcher, token: TokenId, order: ClosingOrder, left: int,
     m = matcher.deep_copy()
     if not m.consume_token(token) or m.is_error():
         return False
-    return closing(m, order, left, at.read(order.bytes_of(token))) is not None
+    keep = max((len(h) for h in hints), default=0)
+    return closing(m, order, left, at.after(order, token, keep), hints) is not None
 
 
 @dataclass(frozen=True)
@@ -219,6 +262,7 @@ class Closing:
 
     order: ClosingOrder
     minimum: int
+    hints: tuple[tuple[TokenId, ...], ...] = ()
 
 
 @dataclass
@@ -230,12 +274,21 @@ class BudgetRule:
     max_tokens: int
     minimum: int
     eos: frozenset[int]
+    hints: tuple[tuple[TokenId, ...], ...] = ()
     steered: int = 0
-    nesting: Nesting = Nesting()  # the level reader after the output so far
+    place: Place = Place()  # after the output so far
 
-    def advance(self, token: TokenId) -> None:
-        """The output took `token`."""
-        self.nesting = self.nesting.read(self.order.bytes_of(token))
+    @property
+    def keep(self) -> int:
+        return max((len(h) for h in self.hints), default=0)
+
+    def advance(self, token: TokenId, at: Place | None = None) -> Place:
+        """The place after `token` from `at` (default: the output's; then the output took
+        it and its place moves)."""
+        moved = (self.place if at is None else at).after(self.order, token, self.keep)
+        if at is None:
+            self.place = moved
+        return moved
 
     @property
     def window(self) -> int:
@@ -246,23 +299,24 @@ class BudgetRule:
         return self.max_tokens - emitted - 1 < self.window
 
     def decide(self, matcher, emitted: int, pick: TokenId,
-               ranked: Callable[[], Sequence[TokenId]], at: Nesting | None = None) -> TokenId:
+               ranked: Callable[[], Sequence[TokenId]], at: Place | None = None) -> TokenId:
         """The token output position `emitted` takes, the decision rule having picked
         `pick` at the matcher's current state (the level reader's `at`: by default, after
         the output so far); `ranked()`: the row's best-scoring tokens (score descending,
         then id; finite scores), asked for only when `pick` fails."""
-        at = self.nesting if at is None else at
+        at = self.place if at is None else at
         left = self.max_tokens - emitted
         if not self.active(emitted) or closes_after(matcher, pick, self.order, left - 1,
-                                                    self.eos, at):
+                                                    self.eos, at, self.hints):
             return pick
-        walk = closing(matcher, self.order, left, at)
+        walk = closing(matcher, self.order, left, at, self.hints)
         if walk is None:
             return pick  # no closing within the budget: as it is
         # the walk's first token; where the grammar may end here, the first end token
         chosen = walk[0] if walk else min(self.eos)
         for t in list(ranked())[:CANDIDATES]:
-            if t != pick and closes_after(matcher, t, self.order, left - 1, self.eos, at):
+            if t != pick and closes_after(matcher, t, self.order, left - 1, self.eos, at,
+                                          self.hints):
                 chosen = int(t)
                 break
         self.steered += chosen != pick

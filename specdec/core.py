@@ -232,7 +232,8 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     s.bias = bias_vector(params, models.vocab_size)
     s.logprobs = req.logprobs
     if matcher is not None and req.closing is not None:
-        s.budget = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, s.eos)
+        s.budget = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, s.eos,
+                              req.closing.hints)
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if s.spec is not None and s.spec.lookup:
         s.index = NgramIndex(s.seq)
@@ -756,7 +757,7 @@ def _steer(s: DecodeState, out: list[TokenId], rows: list[int], scores: RowScore
     """The first of the round's emitted tokens `out` the budget rule changes (its index and
     the token it takes instead), or None (`budget.BudgetRule.decide`, on a matcher copy)."""
     assert s.budget is not None and s.matcher is not None
-    m, at = s.matcher.deep_copy(), s.budget.nesting
+    m, at = s.matcher.deep_copy(), s.budget.place
     for k, t in enumerate(out):
         n = s.emitted + k
         if n >= s.max_tokens:
@@ -768,7 +769,7 @@ def _steer(s: DecodeState, out: list[TokenId], rows: list[int], scores: RowScore
                 return k, got
         if t in s.eos or not m.consume_token(t) or m.is_error() or m.is_stopped():
             break
-        at = at.read(s.budget.order.bytes_of(t))
+        at = s.budget.advance(t, at)
     return None
 
 

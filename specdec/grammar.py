@@ -237,7 +237,7 @@ class GrammarCompiler:
         self.hits = 0
         self.misses = 0
         self._orders: dict[int, ClosingOrder] = {}
-        self._needs: OrderedDict[str, int | None] = OrderedDict()
+        self._needs: OrderedDict[tuple, int | None] = OrderedDict()
 
     def closing_order(self, vocab_size: int) -> ClosingOrder:
         """The tokenizer's closing order for logits `vocab_size` wide (`budget`), built once
@@ -250,19 +250,21 @@ class GrammarCompiler:
                 self._orders[vocab_size] = hit
         return hit
 
-    def minimum(self, grammar: "CompiledGrammar", matcher: Any, vocab_size: int) -> int | None:
+    def minimum(self, grammar: "CompiledGrammar", matcher: Any, vocab_size: int,
+                hints: tuple[tuple[int, ...], ...] = ()) -> int | None:
         """The closing walk's length from a fresh `matcher` of `grammar` (`budget.need`; None:
         longer than its bound), cached by grammar text where `matcher` is the grammar's own
         (not a thinking matcher, whose budget differs per request)."""
         plain = type(matcher) is type(grammar._template)
+        key = (grammar.text, hints)
         if plain:
             with self._lock:
-                if grammar.text in self._needs:
-                    return self._needs[grammar.text]
-        n = need(matcher, self.closing_order(vocab_size))
+                if key in self._needs:
+                    return self._needs[key]
+        n = need(matcher, self.closing_order(vocab_size), hints=hints)
         if plain:
             with self._lock:
-                self._needs[grammar.text] = n
+                self._needs[key] = n
                 while len(self._needs) > self.cache_size:
                     self._needs.popitem(last=False)
         return n

@@ -227,7 +227,8 @@ class Preparer:
                                 max_tokens=max_tokens, stop=r.stop, spec=spec,
                                 compile_timeout_s=self.defaults.compile_timeout_s,
                                 logprobs=r.logprobs, thinking=thinking,
-                                close_at_budget=r.close_at_budget)
+                                close_at_budget=r.close_at_budget,
+                                closing_hints=self._closing_hints(fmt) if tools else ())
         return dataclasses.replace(req, tools=tools, calls=calls)
 
     def _tools(self, r: GenerateRequest) -> tuple[Tool, ...]:
@@ -328,8 +329,8 @@ class Preparer:
                      max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
                      spec: SpecConfig | None | Literal["default"] = "default",
                      compile_timeout_s: float | None = None, logprobs: int | None = None,
-                     thinking: Thinking | None = None, close_at_budget: bool = True
-                     ) -> Request:
+                     thinking: Thinking | None = None, close_at_budget: bool = True,
+                     closing_hints: tuple[tuple[TokenId, ...], ...] = ()) -> Request:
         if spec == "default":
             if self.speculates or (constraint is not None and self.jump_forward):
                 spec = self.default_spec
@@ -380,24 +381,33 @@ class Preparer:
                       tuple(stop), spec, grammar, logprobs, thinking)
         # (reasoning then answer is not steered yet: a think block has no closing walk)
         if close_at_budget and grammar is not None and thinking is None:
-            return self._closing(req)
+            return self._closing(req, closing_hints)
         return req
 
-    def _closing(self, req: Request) -> Request:
+    def _closing_hints(self, fmt: ToolFormat | None) -> tuple[tuple[TokenId, ...], ...]:
+        """Where a tool format writes string arguments raw (Qwen3-Coder's
+        `<parameter=k>\nv\n</parameter>`), the tokens of the text that ends a value: the
+        budget's closing walk ends a raw value with them (`budget`)."""
+        if fmt is None or fmt.xml is None or not fmt.xml.value_end:
+            return ()
+        return (tuple(self.compiler.tokenizer.tokenize_str(fmt.xml.value_end)),)
+
+    def _closing(self, req: Request, hints: tuple[tuple[TokenId, ...], ...] = ()) -> Request:
         """`req` with its budget rule (`budget`): its constraint's minimum budget, a 400
         naming max_tokens when the budget is below it. A constraint whose closing walk is
         longer than its bound is not steered."""
         assert req.grammar is not None
-        minimum = self.compiler.minimum(req.grammar, self.matcher(req), self.target.vocab_size)
+        minimum = self.compiler.minimum(req.grammar, self.matcher(req), self.target.vocab_size,
+                                        hints)
         if minimum is None:
             return req
         if req.max_tokens < minimum:
-            raise RequestError(f"max_tokens={req.max_tokens} is below what the constraint "
-                               f"needs: its shortest complete answer takes {minimum} tokens "
-                               f"(give max_tokens >= {minimum})", param="max_tokens",
+            raise RequestError(f"the token budget ({req.max_tokens}) is below what the "
+                               f"constraint needs: its shortest complete answer takes "
+                               f"{minimum} tokens; give at least {minimum}", param="max_tokens",
                                code="max_tokens_too_small")
         order = self.compiler.closing_order(self.target.vocab_size)
-        return dataclasses.replace(req, closing=Closing(order, minimum))
+        return dataclasses.replace(req, closing=Closing(order, minimum, hints))
 
     def compile(self, constraint: Constraint, timeout_s: float | None = None,
                 thinking: Thinking | None = None) -> CompiledGrammar:

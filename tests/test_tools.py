@@ -205,9 +205,9 @@ def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
                                              log_level=0),
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                            seed=s.seed or 0, logit_bias=s.logit_bias, thinking=rule,
-                           budget=None if rule is not None else BudgetOracle.of(
-                               engine.compiler.tokenizer, t.vocab_size, t.eos_token_ids,
-                               req.max_tokens))
+                           budget=None if rule is not None or req.closing is None else
+                           BudgetOracle.of(engine.compiler.tokenizer, t.vocab_size,
+                                           t.eos_token_ids, req.max_tokens, req.closing.hints))
     return ref.tokens
 
 
