@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -104,6 +105,61 @@ def _tool_choice(body: CountTokensBody) -> tuple[ToolChoice, bool]:
     return choice, not c.disable_parallel_tool_use
 
 
+# Keywords the anthropic SDK's `transform_schema` (`messages.parse`, `output_format=Model`)
+# moves out of a schema into its description as `{key: value, ...}` (Python's str of each
+# value), and that this server enforces: they are put back (`restore_moved`).
+MOVED_KEYWORDS = frozenset({
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minItems", "maxItems", "uniqueItems",
+    "minProperties", "maxProperties"})
+_MOVED = re.compile(r"(?:\A|\n\n)\{((?:[A-Za-z]+): .*)\}\Z", re.S)
+_MOVED_KEY = re.compile(r"(?:\A|, )([A-Za-z]+): ")
+
+
+def _moved_value(text: str) -> Any:
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (int, float)) else text
+
+
+def restore_moved(schema: Any) -> Any:
+    """A schema with the keywords the anthropic SDK moved into descriptions put back where
+    every key of the moved block is one this server enforces (`MOVED_KEYWORDS`); the
+    description is what it was before. Anything else is left as sent."""
+    if isinstance(schema, list):
+        return [restore_moved(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (restore_moved(v) if k not in ("enum", "const", "default", "examples") else v)
+           for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: restore_moved(v) for k, v in schema[key].items()}
+    desc = out.get("description")
+    m = _MOVED.search(desc) if isinstance(desc, str) else None
+    if m is None:
+        return out
+    keys = list(_MOVED_KEY.finditer(m.group(1)))
+    if not keys or keys[0].start() != 0 or any(k.group(1) not in MOVED_KEYWORDS for k in keys):
+        return out
+    body = m.group(1)
+    for k, nxt in zip(keys, keys[1:] + [None]):
+        name = k.group(1)
+        if name in out:  # not moved, then: leave it all as sent
+            return {**out, "description": desc}
+        out[name] = _moved_value(body[k.end():nxt.start() if nxt is not None else len(body)])
+    before = desc[:m.start()]
+    if before:
+        out["description"] = before
+    else:
+        del out["description"]
+    return out
+
+
 def prompt_request(body: CountTokensBody) -> GenerateRequest:
     """What makes the prompt and constrains the output (all count_tokens takes).
 
@@ -125,7 +181,8 @@ def prompt_request(body: CountTokensBody) -> GenerateRequest:
     think = body.thinking
     return GenerateRequest(
         messages=conversation(body),
-        constraint=Constraint.json_schema(fmt.schema_, lenient=False) if fmt else None,
+        constraint=Constraint.json_schema(restore_moved(fmt.schema_), lenient=False)
+        if fmt else None,
         tools=tuple(Tool(t.name, t.description, t.input_schema, t.strict)
                     for t in body.tools),
         tool_choice=choice, parallel_tool_calls=parallel,

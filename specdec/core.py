@@ -724,7 +724,9 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
     out = [props[j] for j in path] + [int(picks[rows[-1]])]
     steered: dict[int, float] = {}  # emitted index -> its logprob, where the budget steered
     if v.scores is not None:
+        t0 = time.perf_counter()
         at = _steer(s, out, rows, v.scores)
+        s.stats.budget_s += time.perf_counter() - t0
         if at is not None:
             k, t = at
             s.stats.budget_steered = s.budget.steered if s.budget is not None else 0

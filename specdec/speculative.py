@@ -146,7 +146,7 @@ class SpecStats(StepTimings):
             also counted by source), and how many of those were accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
         budget_steered: output positions the token-budget rule changed (`budget`): the
-            budget forced the document's close.
+            budget forced the document's close; budget_s: time spent in the rule.
         draft_load_skips: rounds in which the draft model was left out because the batch
             was larger than `Models.draft_max_batch`.
         draft_s, verify_s: time in draft and verify phases.
@@ -163,6 +163,7 @@ class SpecStats(StepTimings):
     branched_accepted: int = 0
     grammar_cuts: int = 0
     budget_steered: int = 0
+    budget_s: float = 0.0
     draft_load_skips: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0

@@ -55,14 +55,16 @@ def models(target):
     return Models(target, WIDTH, tiny_llama(99, head_scale=2), WIDTH)
 
 
-def _request(rng: random.Random, compiler, prompt, kind: str | None = None) -> dict:
-    """A random request of any kind (or the needle kind asked for)."""
+def _request(rng: random.Random, compiler, prompt, kind: str | None = None,
+             steered: bool = False) -> dict:
+    """A random request of any kind (or the needle kind asked for; `steered`: a schema
+    with a budget just above its minimum)."""
     kind = kind or rng.choice(sorted(NEEDLE_PARAMS))
     spec = rng.choice([None, SpecConfig(2), SpecConfig(4, draft_masking=False),
                        SpecConfig(8, lookup=True), SpecConfig(3, forced_drafting=False),
                        SpecConfig(4, lookup=True, suffix=True),
                        TREE_SPEC])
-    constraint = rng.choice([None, *SCHEMAS])
+    constraint = rng.choice(SCHEMAS if steered else [None, *SCHEMAS])
     p = NEEDLE_PARAMS[kind]
     if p.seed is not None:
         p = SamplingParams(p.temperature, p.top_p, p.top_k, rng.randrange(1000))
@@ -71,10 +73,10 @@ def _request(rng: random.Random, compiler, prompt, kind: str | None = None) -> d
     # above their minimum, so the rule steers their ends; the others are cut where it ends.
     closing = None
     max_tokens = rng.randrange(6, 24)
-    if constraint is not None and rng.random() < 0.75:
+    if constraint is not None and (steered or rng.random() < 0.75):
         order = compiler.closing_order(WIDTH)
         closing = Closing(order, need(compiler.compile(constraint).matcher(), order))
-        max_tokens = closing.minimum + rng.randrange(0, 8)
+        max_tokens = closing.minimum + rng.randrange(0, 3 if steered else 8)
     return {"prompt": list(prompt) + extra, "params": p, "spec": spec,
             "constraint": constraint, "max_tokens": max_tokens, "closing": closing}
 
@@ -149,7 +151,7 @@ def test_needle_alone_equals_needle_in_random_batches_and_the_oracle(models, com
     rng = random.Random(f"needle-{kind}")
     start = len(LOAD_SKIPS)
     for trial in range(4):
-        needle = _request(rng, compiler, prompt, kind)
+        needle = _request(rng, compiler, prompt, kind, steered=trial == 1)
         if trial == 0:  # one needle verifies token trees (its neighbours may too)
             needle["spec"] = TREE_SPEC
         want = _alone(models, compiler, needle)

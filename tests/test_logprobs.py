@@ -57,9 +57,11 @@ CELLS = {
     "chat seeded top-k top-p bias free": Cell("chat", dict(
         temperature=0.6, seed=3, top_k=20, top_p=0.9, logit_bias=BIAS, top_logprobs=5)),
     "chat greedy bias schema": Cell("chat", dict(
-        temperature=0, logit_bias=BIAS, response_format=JSON_FORMAT, top_logprobs=0)),
+        temperature=0, logit_bias=BIAS, response_format=JSON_FORMAT, top_logprobs=0,
+        max_tokens=14)),  # (two above the schema's minimum: the budget steers the close)
     "chat seeded top-p schema": Cell("chat", dict(
-        temperature=1.2, seed=5, top_p=0.95, response_format=JSON_FORMAT, top_logprobs=20)),
+        temperature=1.2, seed=5, top_p=0.95, response_format=JSON_FORMAT, top_logprobs=20,
+        max_tokens=14)),
     "completions seeded top-k regex": Cell("completions", dict(
         prompt="The capital of France is", temperature=0.7, top_k=8, seed=1, logprobs=3,
         structured_outputs={"regex": " Paris, (the capital|a city) of [A-Z][a-z]+\\."})),
@@ -253,7 +255,7 @@ def test_logprobs_are_those_of_the_pick_and_equal_with_and_without_speculation(
     got = {}
     for arm, extra in (("spec", None), ("plain", {"num_draft_tokens": 0})):
         r = client.chat.completions.create(
-            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
+            model="default", messages=MSG, max_tokens=16, temperature=0, logprobs=True,
             top_logprobs=3, extra_body=extra, response_format={
                 "type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
         content = r.choices[0].logprobs.content
@@ -273,7 +275,7 @@ def test_logprobs_are_those_of_the_pick_and_equal_with_and_without_speculation(
     # Streaming carries the same entries, chunk by chunk.
     streamed = []
     with client.chat.completions.create(
-            model="default", messages=MSG, max_tokens=12, temperature=0, logprobs=True,
+            model="default", messages=MSG, max_tokens=16, temperature=0, logprobs=True,
             top_logprobs=3, stream=True, response_format={
                 "type": "json_schema", "json_schema": {"name": "c", "schema": schema}}) as st:
         for chunk in st:

@@ -147,7 +147,8 @@ def test_a_forced_call_is_the_bytes_the_template_renders_for_it(tool_engine, key
     # the next turn renders the call and its result through the template
     then = ASK + (Message("assistant", "", tool_calls=(call,)),
                   Message("tool", '{"temp": 21}', tool_call_id=call.id, name=call.name))
-    nxt = e.prepare(GenerateRequest(messages=then, tools=(WEATHER, CLOCK), max_tokens=8))
+    nxt = e.prepare(GenerateRequest(messages=then, tools=(WEATHER, CLOCK), max_tokens=8,
+                                    close_at_budget=False))  # (its prompt is what it reads)
     assert generated in e.decode_text(nxt.prompt_ids)
     prompt = e.decode_text(nxt.prompt_ids)  # the result as is, or as a JSON string (Llama)
     assert '{"temp": 21}' in prompt or json.dumps('{"temp": 21}') in prompt
@@ -286,8 +287,8 @@ def test_auto_text_calls_and_parallel_calls_are_exact_in_every_format(cell_engin
         assert "parallel" in cases, f"{key}: no push gave two calls"
     neighbours = [GenerateRequest(messages=ASK, max_tokens=10),
                   GenerateRequest(messages=ASK, tools=tools, tool_choice="required",
-                                  max_tokens=40),
-                  dataclasses.replace(base, max_tokens=20)]
+                                  max_tokens=60),  # (above every format's minimum)
+                  dataclasses.replace(base, max_tokens=30)]
     bad = []
     for name, greq in cases.items():
         for mode, sampling in (("greedy", greq.sampling), ("seeded", dataclasses.replace(
@@ -334,7 +335,8 @@ def test_with_a_response_format_the_text_follows_it_and_calls_follow_the_tools(t
     schema = {"type": "object", "properties": {"answer": {"type": "string"}},
               "required": ["answer"], "additionalProperties": False}
     req = e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER,), max_tokens=8,
-                                    constraint=Constraint.json_schema(schema)))
+                                    constraint=Constraint.json_schema(schema),
+                                    close_at_budget=False))  # (the grammar is what it reads)
     call = fmt.write([(IDS[0], "get_weather", '{"city": "Oslo", "days": 1}')])
     assert accepts(e, req.grammar.text, '{"answer": "sunny"}')
     assert accepts(e, req.grammar.text, call)
@@ -379,7 +381,8 @@ def test_a_response_format_with_refs_and_json_calls_compile_together(tool_engine
               "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
               "additionalProperties": False}
     req = e.prepare(GenerateRequest(messages=ASK, tools=(WEATHER,), max_tokens=8,
-                                    constraint=Constraint.json_schema(schema)))
+                                    constraint=Constraint.json_schema(schema),
+                                    close_at_budget=False))  # (the grammar is what it reads)
     assert accepts(e, req.grammar.text, '{"city": "Oslo"}')
     assert accepts(e, req.grammar.text, GENERIC.write(
         [(IDS[0], "get_weather", '{"city": "Oslo", "days": 1}')]))
