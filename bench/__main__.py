@@ -28,6 +28,7 @@ REQUIRED = (
     "sharded2_over_single_tok_s", "sharded2_broadcast_ms_per_round", "draft_left_out_over_kept_c8",
     "tree_over_chain_c1", "tree_over_chain_c8", "accepted_per_round_chain",
     "accepted_per_round_tree", "serving_tree_over_chain_c1", "serving_tree_over_chain_c8",
+    "budget_on_over_off", "budget_closing_p50_ms", "budget_closing_p99_ms",
 )
 
 
