@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=None,
                    help=f"most output tokens (default {DEFAULTS.defaults.max_tokens}, within the "
                         "context)")
+    g.add_argument("--no-close-at-budget", dest="close_at_budget", action="store_false",
+                   help="cut a constrained output where --max-tokens ends instead of closing "
+                        "it in time (a budget below the constraint's minimum is then no "
+                        "error)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -327,7 +331,7 @@ def generate_request(args: argparse.Namespace) -> Any:
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
         max_tokens=args.max_tokens, stop=tuple(args.stop), thinking=think,
         thinking_budget=args.max_thinking_tokens,
-        logprobs=args.logprobs)
+        logprobs=args.logprobs, close_at_budget=getattr(args, "close_at_budget", True))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -356,7 +360,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             m.consume_token(t)
         if not m.is_accepting():
             print(f"specdec: the output was cut at --max-tokens {req.max_tokens} before the "
-                  "constraint was complete, so it does not match it; raise --max-tokens",
+                  "constraint was complete, so it does not match it; raise --max-tokens "
+                  "(or leave out --no-close-at-budget)",
                   file=sys.stderr)
             return EXIT_INCOMPLETE
     return 0

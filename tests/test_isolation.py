@@ -217,9 +217,9 @@ def test_an_exception_in_one_request_fails_it_alone(budget_engine):
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-    e.matcher = lambda req: Broken(plain(req)) if req.max_tokens == 7 else plain(req)
+    e.matcher = lambda req: Broken(plain(req)) if req.max_tokens == 29 else plain(req)
     bad = e.prepare(GenerateRequest(messages=(Message("user", "A person as JSON"),),
-                                    constraint=Constraint.json_schema(PERSON), max_tokens=7))
+                                    constraint=Constraint.json_schema(PERSON), max_tokens=29))
     box: dict[str, Any] = {}
     th = threading.Thread(target=lambda: box.update(r=run(e, bad)))
     th.start()

@@ -356,7 +356,7 @@ def test_a_harmony_call_after_the_analysis_is_a_commentary_message_the_template_
                 full[len(head):], written)
             nxt = e.prepare(GenerateRequest(messages=ask + (turn, Message(
                 "tool", '{"temp": 21}', tool_call_id=call.id, name=call.name)),
-                tools=(tool,), max_tokens=8))
+                tools=(tool,), max_tokens=8, close_at_budget=False))  # (its prompt is read)
             assert "<|start|>assistant" + written in _text(target, nxt.prompt_ids)
     # "auto" pushed towards the final channel after the analysis: a text answer
     final = next(a for a, b in zip(tk.encode("<|channel|>final", add_special_tokens=False),
@@ -410,7 +410,8 @@ def test_reasoning_sent_back_in_the_history_reaches_the_template_from_every_api(
     histories = [messages_of(b) for b in chat] + [responses_messages(resp), conversation(msgs)]
     for turns in histories:
         assert [m.reasoning for m in turns if m.role == "assistant"] == [thought]
-        req = e.prepare(GenerateRequest(messages=turns, tools=(tool,), max_tokens=8))
+        req = e.prepare(GenerateRequest(messages=turns, tools=(tool,), max_tokens=8,
+                                        close_at_budget=False))  # (its prompt is read)
         prompt = _text(target, req.prompt_ids)
         assert f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>" \
                f"commentary to=functions.get_weather" in prompt, prompt
