@@ -86,6 +86,7 @@ def _one(url: str, kind: str, rng: random.Random, report: LoadReport, lock: thre
     chat = url + "/v1/chat/completions"
     body: dict = {"messages": MSG, "max_tokens": rng.choice([6, 12, 20]), "temperature": 0}
     if kind in ("constrained", "stream", "seeded", "leave_stream"):
+        body["max_tokens"] = max(body["max_tokens"], 12)  # (the schema's minimum budget)
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "x", "schema": SCHEMA}}
     if kind == "seeded":
