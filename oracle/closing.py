@@ -20,12 +20,20 @@ tokens, the decision rule having picked `t`: checked only while `left - 1 < mini
 closes within `left`, the first of the 8 best-scoring tokens (score descending, then id,
 finite) whose walk closes within `left - 1`, else the walk's first token (the lowest end id
 where it is empty).
+
+Reasoning (a request that thinks first, `thinking`: its rule's `opened`, `ended` and the end
+marker's `close_ids`): while the output is inside the reasoning (opened, not ended), the
+walk's step is the end marker's next token: once the thinking budget or the walk forced one,
+the next of them (taken as is); else where the reasoning's last tokens are a start of the
+marker's tokens (the longest), the one after it; else the first where the mask allows it
+(else the usual step). The level restarts from nothing after the token that ends the reasoning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import llguidance.numpy as llnp
 import numpy as np
@@ -90,6 +98,7 @@ class BudgetOracle:
     steered: list[int] = field(default_factory=list)  # positions the rule changed
     nesting: tuple[int, bool, bool] = (0, False, False)  # after the output so far
     output: list[int] = field(default_factory=list)
+    thinking: Any = None  # the request's thinking rule (`reference.ThinkingRule`), if any
 
     def __post_init__(self) -> None:
         self.candidates = [i for i, b in enumerate(self.token_bytes)
@@ -126,16 +135,44 @@ class BudgetOracle:
                     return h[k]
         return None
 
+    def _reasoning(self, seq: Sequence[int]) -> bool:
+        """Whether output `seq` is inside its reasoning (opened, its end marker not done)."""
+        r = self.thinking
+        return r is not None and r.opened(list(seq)) is not None and not r.ended(list(seq))
+
+    def _next(self, state, seq: Sequence[int], tok: int) -> tuple[int, bool, bool]:
+        """The level after `seq` took `tok` (restarting where `tok` ended the reasoning)."""
+        if self._reasoning(seq) and not self._reasoning(list(seq) + [tok]):
+            return (0, False, False)
+        return level_after(state, self._bytes(tok))
+
     def walk(self, matcher: LLMatcher, limit: int, state: tuple[int, bool, bool],
-             before: Sequence[int] = ()) -> list[int] | None:
+             before: Sequence[int] = (), forced: int = 0) -> list[int] | None:
+        """The closing walk; `forced`: the end marker's tokens forced so far."""
         m = matcher.deep_copy()
         taken: list[int] = []
         words = llnp.allocate_token_bitmask(1, self.vocab_size)
         while not m.is_accepting():
             if len(taken) == limit:
                 return None
+            seq = list(before) + taken
             ff = m.compute_ff_tokens()
-            if len(ff) > 0:
+            marker = None
+            if self._reasoning(seq) and forced < len(self.thinking.close_ids):
+                ids = list(self.thinking.close_ids)
+                if forced == 0:  # a start of the marker the reasoning ends with
+                    inside = seq[self.thinking.opened(seq):]
+                    forced = max((k for k in range(1, len(ids)) if inside[-k:] == ids[:k]),
+                                 default=0)
+                marker = ids[forced]
+                if forced == 0:
+                    llnp.fill_next_token_bitmask(m, words, 0)
+                    if m.is_error() or not unpack_mask(words[0], self.vocab_size)[marker]:
+                        marker = None
+            if marker is not None:
+                tok = marker
+                forced += 1
+            elif len(ff) > 0:
                 tok = ff[0]
             else:
                 llnp.fill_next_token_bitmask(m, words, 0)
@@ -167,8 +204,8 @@ class BudgetOracle:
                     tok = int(np.argmax(allowed))
             if not m.consume_token(tok) or m.is_error():
                 return None
+            state = self._next(state, seq, tok)
             taken.append(tok)
-            state = level_after(state, self._bytes(tok))
         return taken
 
     def start(self, matcher: LLMatcher) -> int | None:
@@ -177,35 +214,38 @@ class BudgetOracle:
         self.minimum = None if w is None else len(w)
         return self.minimum
 
-    def _fits(self, matcher: LLMatcher, tok: int, left: int) -> bool:
+    def _fits(self, matcher: LLMatcher, tok: int, left: int, forced: int) -> bool:
         if tok in self.eos:
             return matcher.is_accepting()
         after = matcher.deep_copy()
         if not after.consume_token(tok) or after.is_error():
             return False
-        return self.walk(after, left, level_after(self.nesting, self._bytes(tok)),
-                         self.output + [tok]) is not None
+        return self.walk(after, left, self._next(self.nesting, self.output, tok),
+                         self.output + [tok], forced) is not None
 
     def took(self, tok: int) -> None:
         """The output took `tok` (advances the level reader)."""
-        self.nesting = level_after(self.nesting, self._bytes(tok))
+        self.nesting = self._next(self.nesting, self.output, tok)
         self.output.append(tok)
 
     def choose(self, matcher: LLMatcher, position: int, pick: int,
-               scores: np.ndarray) -> int:
-        """The token at output `position` (0-based), `pick` being the decision rule's."""
+               scores: np.ndarray, forced: int = 0, forced_after: int = 0) -> int:
+        """The token at output `position` (0-based), `pick` being the decision rule's;
+        `forced` / `forced_after`: the end marker's tokens the thinking budget forced
+        before this position / through it."""
         if self.minimum is None:
             return pick
         left = self.max_tokens - position
-        if left - 1 >= self.minimum + WINDOW_SLACK or self._fits(matcher, pick, left - 1):
+        if left - 1 >= self.minimum + WINDOW_SLACK or \
+                self._fits(matcher, pick, left - 1, forced_after):
             return pick
-        here = self.walk(matcher, left, self.nesting, self.output)
+        here = self.walk(matcher, left, self.nesting, self.output, forced)
         if here is None:
             return pick
         ranked = [int(i) for i in np.argsort(-scores, kind="stable")[:TOP]
                   if np.isfinite(scores[i])]
         for tok in ranked:
-            if tok != pick and self._fits(matcher, tok, left - 1):
+            if tok != pick and self._fits(matcher, tok, left - 1, forced_after):
                 self.steered.append(position)
                 return tok
         out = here[0] if here else min(self.eos)

@@ -118,8 +118,10 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
             bias[t] += np.float32(v)
     forced = 0  # end-marker tokens the thinking budget has forced
     if budget is not None and matcher is not None:
+        budget.thinking = thinking
         budget.start(matcher)
     for i in range(max_tokens):
+        forced_before = forced
         x = logits.copy()
         if len(logit_bias):
             x = x + bias
@@ -147,7 +149,7 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                                  noise=noise)
         tok = int(np.argmax(scores))
         if budget is not None and matcher is not None:
-            tok = budget.choose(matcher, i, tok, scores)
+            tok = budget.choose(matcher, i, tok, scores, forced_before, forced)
         order = np.argsort(-scores, kind="stable")[:2]
         runner = int(order[1]) if order[0] == tok else int(order[0])
         lp_fields: dict[str, object] = {}

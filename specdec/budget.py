@@ -8,9 +8,18 @@ it separately, `oracle/closing.py`; the README's "The token budget" says it for 
 and `{` `[` open a level, `}` `]` close one; inside, a backslash escapes the next
 byte and `"` closes it. The *level* is the open levels plus one inside a string.
 
+**Reasoning.** In a request that thinks before answering, the level reader restarts (at
+level 0, outside a string) after the token that completes the reasoning's end marker: the
+answer's nesting is read from its own bytes.
+
 **The closing walk** from a grammar state (and the level there) is the token path the walk
 takes until the grammar may end (`is_accepting`), one token a step, at most `limit` tokens
 (else it has no closing within that bound):
+  0. inside the reasoning (opened, its end marker not complete), the end marker's next
+     token, as a spent thinking budget forces it: once one is forced, the next (none
+     allowed: no closing); else, where the reasoning's last tokens are a start of the
+     marker's (the longest), the token after it; else its first token where the grammar
+     allows it (else the steps below);
   1. the grammar's first forced token (`compute_ff_tokens()[0]`), where it forces one;
   2. else, where the mask allows at most `FEW` (16) tokens and one lets the grammar end
      right after it, the lowest such id (markup that closes: a calls-end token);
@@ -173,9 +182,19 @@ class Place:
     nesting: Nesting = Nesting()
     tail: tuple[TokenId, ...] = ()
 
-    def after(self, order: ClosingOrder, token: TokenId, keep: int) -> "Place":
-        return Place(self.nesting.read(order.bytes_of(token)),
+    def after(self, order: ClosingOrder, token: TokenId, keep: int, restart: bool = False
+              ) -> "Place":
+        """The place after `token`; `restart`: the token completed the reasoning's end
+        marker, and the level reader starts afresh after it."""
+        return Place(Nesting() if restart else self.nesting.read(order.bytes_of(token)),
                      (self.tail + (token,))[-keep:] if keep else ())
+
+
+def ended_reasoning(matcher) -> bool:
+    """Whether the token the matcher took last completed its reasoning's end marker (a
+    thinking matcher, `reasoning.ThinkingMatcher`; plain matchers never reason)."""
+    at = getattr(matcher, "ended_at", None)
+    return at is not None and at == matcher.n
 
 
 def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
@@ -203,11 +222,15 @@ def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
     sequences that end free text in this grammar (a tool format's raw value end)."""
     keep = max((len(h) for h in hints), default=0)
     m = matcher.deep_copy()
+    reasons = hasattr(m, "close_now")
+    if reasons:
+        m.close_now()
     out: list[TokenId] = []
     while not m.is_accepting():
         if len(out) >= limit or m.is_error():
             return None
-        forced = m.compute_ff_tokens()
+        due = m.forcing() if reasons else None
+        forced = [due] if due is not None else m.compute_ff_tokens()
         if forced:
             t = int(forced[0])
         else:
@@ -229,7 +252,7 @@ def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
                 t = int(np.flatnonzero(ok)[0])
         if not m.consume_token(t):
             return None
-        at = at.after(order, t, keep)
+        at = at.after(order, t, keep, ended_reasoning(m))
         out.append(t)
     return out
 
@@ -252,7 +275,8 @@ def closes_after(matcher, token: TokenId, order: ClosingOrder, left: int,
     if not m.consume_token(token) or m.is_error():
         return False
     keep = max((len(h) for h in hints), default=0)
-    return closing(m, order, left, at.after(order, token, keep), hints) is not None
+    return closing(m, order, left, at.after(order, token, keep, ended_reasoning(m)),
+                   hints) is not None
 
 
 @dataclass(frozen=True)
@@ -282,10 +306,12 @@ class BudgetRule:
     def keep(self) -> int:
         return max((len(h) for h in self.hints), default=0)
 
-    def advance(self, token: TokenId, at: Place | None = None) -> Place:
+    def advance(self, token: TokenId, at: Place | None = None, matcher=None) -> Place:
         """The place after `token` from `at` (default: the output's; then the output took
-        it and its place moves)."""
-        moved = (self.place if at is None else at).after(self.order, token, self.keep)
+        it and its place moves); `matcher`: the one that just took it (where it ended the
+        reasoning, the level reader restarts)."""
+        moved = (self.place if at is None else at).after(
+            self.order, token, self.keep, matcher is not None and ended_reasoning(matcher))
         if at is None:
             self.place = moved
         return moved

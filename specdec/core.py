@@ -771,7 +771,7 @@ def _steer(s: DecodeState, out: list[TokenId], rows: list[int], scores: RowScore
                 return k, got
         if t in s.eos or not m.consume_token(t) or m.is_error() or m.is_stopped():
             break
-        at = s.budget.advance(t, at)
+        at = s.budget.advance(t, at, m)
     return None
 
 
@@ -797,7 +797,7 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
         s.seq.append(t)
         s.new_tokens.append(t)
         if s.budget is not None:
-            s.budget.advance(t)
+            s.budget.advance(t, matcher=s.matcher)
         if lps is not None:
             j = rows[n_emit]
             top = () if len(lps) == 1 else tuple(

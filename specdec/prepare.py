@@ -379,8 +379,7 @@ class Preparer:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         req = Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
                       tuple(stop), spec, grammar, logprobs, thinking)
-        # (reasoning then answer is not steered yet: a think block has no closing walk)
-        if close_at_budget and grammar is not None and thinking is None:
+        if close_at_budget and grammar is not None:
             return self._closing(req, closing_hints)
         return req
 
@@ -433,14 +432,15 @@ class Preparer:
         return self.compiler.compile(req.constraint, req.thinking)
 
     def matcher(self, req: Request) -> Any:
-        """A fresh matcher for the request (None when unconstrained); with a thinking budget,
-        wrapped so the budget forces the end marker (`reasoning.ThinkingMatcher`)."""
+        """A fresh matcher for the request (None when unconstrained); one that thinks first,
+        wrapped so a thinking budget (or the budget rule's walk) forces the end marker
+        (`reasoning.ThinkingMatcher`)."""
         from .reasoning import ThinkingMatcher
 
         grammar = self.compiled(req)
         if grammar is None:
             return None
-        if req.thinking is not None and req.thinking.budget is not None:
+        if req.thinking is not None:  # (without a budget: the budget rule's walk)
             return ThinkingMatcher(grammar.matcher(), self.compiler.markup, req.thinking,
                                    self.target.vocab_size)
         return grammar.matcher()

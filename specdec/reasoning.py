@@ -220,13 +220,32 @@ class ThinkingMatcher:
         self.forced = 0  # end-marker tokens the budget has forced so far
         self.tail = b""  # the output's bytes since the last marker (a bounded window)
         self._error: str | None = None
+        self.closing = False  # the budget rule's walk: the end marker is due at once
+        self.ended_at: int | None = None  # output tokens through the end marker, once it ended
+        self.recent: tuple[int, ...] = ()  # the reasoning's last tokens (fewer than the marker's)
+
+    def close_now(self) -> None:
+        """From here on, the end marker is due as if the thinking budget were spent (the
+        budget rule's closing walk, `budget.closing`, on a copy); where the reasoning already
+        ends with a start of the marker's tokens (the longest), the marker goes on from there."""
+        self.closing = True
+        if self.forced == 0 and self.thinking and self.start is not None:
+            ids = self.close_ids
+            self.forced = next((k for k in range(len(ids) - 1, 0, -1)
+                                if self.recent[-k:] == ids[:k]), 0)
+
+    def forcing(self) -> int | None:
+        """The end marker's token forced at this position (the budget spent and the grammar
+        allowing it, or a marker already under way), or None."""
+        return self._forces()
 
     # -- state ------------------------------------------------------------------------
     def _due(self) -> int | None:
         """The end marker's token the budget forces next (the first one only where the
         grammar allows it), or None."""
-        if (not self.thinking or self.budget is None or self.start is None
-                or self.n - self.start < self.budget or self.forced >= len(self.close_ids)):
+        if not self.thinking or self.start is None or self.forced >= len(self.close_ids):
+            return None
+        if not self.closing and (self.budget is None or self.n - self.start < self.budget):
             return None
         return self.close_ids[self.forced]
 
@@ -275,11 +294,15 @@ class ThinkingMatcher:
                 self.thinking = False
             return ok
         marker = self.close_bytes
+        self.recent = (self.recent + (token,))[-(len(self.close_ids) - 1):] \
+            if len(self.close_ids) > 1 else ()
         self.tail = (self.tail + self.tokenizer.decode_bytes([token]))[-4 * len(marker):]
         if self.special:
             self.thinking = token != self.close_ids[0]
         else:
             self.thinking = self.close_bytes not in self.tail
+        if not self.thinking:
+            self.ended_at = self.n
         return ok
 
     def deep_copy(self) -> "ThinkingMatcher":

@@ -25,7 +25,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from oracle import ThinkingRule, reference_decode
+from oracle import BudgetOracle, ThinkingRule, reference_decode
 from specdec import blas
 from specdec.engine import Engine
 from specdec.grammar import Constraint
@@ -162,7 +162,9 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
                                    matcher=g.matcher(), temperature=params.temperature,
                                    top_k=params.top_k, top_p=params.top_p,
                                    seed=params.seed or 0, logit_bias=params.logit_bias,
-                                   thinking=rule)
+                                   thinking=rule, budget=BudgetOracle.of(
+                                       e.compiler.tokenizer, target.vocab_size,
+                                       target.eos_token_ids, MAX_TOKENS))
             same = list(want.tokens) == list(ref.tokens)
             tally.record("reasoning: plain vs oracle", same)
             if not same:
@@ -181,8 +183,7 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
                 assert natural(n_think, thought=False), want.text
                 thought_first += natural(n_think)
             seen_ends.add(end)
-            if want.finish_reason == "stop":
-                jsonschema.validate(json.loads(answer), SCHEMA)
+            jsonschema.validate(json.loads(answer), SCHEMA)  # in time: the budget rule
             lines, gots = cells_vs(engines, CELLS, want, f"reasoning: spec cells vs plain "
                                    f"({family})", f"{end} {mode}", ids, constraint=constraint,
                                    sampling=params, max_tokens=MAX_TOKENS, thinking=thinking)
@@ -194,6 +195,68 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     assert seen_ends == ({"at-once", "budget", "natural"} if len(close_ids) == 1
                          else {"at-once", "budget"}) | ({"skipped"} if family == "qwen3" else set())
     assert thought_first or len(close_ids) > 1, "no natural end came after some thinking"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family):
+    """No thinking budget, a model kept from ending its thought (a bias against the end
+    marker; for it to open the block where it may skip it, one towards the open marker), and
+    a token budget from the constraint's minimum up: the budget rule ends the reasoning in
+    time, the answer is complete and valid, finish "length"; plain equals the oracle (its
+    own rule over the thinking), every proposer cell equals plain."""
+    assert blas.active() == "reference"
+    target, engines = models[family]
+    e = engines["none"]
+    constraint = Constraint.json_schema(SCHEMA)
+    ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=None)
+    close_ids = marker_ids(e.compiler.markup, thinking.close)[0]
+    bias = [(close_ids[0], -30.0)]
+    if thinking.open is not None:
+        bias.append((e.target.tokenizer.encode(thinking.open, add_special_tokens=False)[0],
+                     30.0))
+    minimum = e.prepare(ids, constraint=constraint, max_tokens=MAX_TOKENS,
+                        thinking=thinking).closing.minimum
+    text = e.decode_text
+    opened = (lambda toks: 0) if thinking.open is None else (lambda toks: next(
+        (i + 1 for i in range(len(toks)) if text(toks[:i + 1]).startswith(thinking.open)),
+        None))
+    rule = ThinkingRule(10 ** 9, close_ids,  # no thinking budget: never due by it
+                        lambda toks: thinking.close in text(toks)[len(thinking.open or ""):],
+                        opened)
+    bad: list[str] = []
+    for extra in (0, 3, 9):
+        budget = minimum + extra
+        for mode, base in MODES.items():
+            params = dataclasses.replace(base, logit_bias=tuple(bias))
+            want = e.generate(e.prepare(ids, constraint=constraint, sampling=params,
+                                        max_tokens=budget, spec=None, thinking=thinking))
+            reasoning, answer = parts(e, want, thinking)
+            assert answer is not None, (family, budget, want.text)
+            # with room beyond the think markup, the reasoning runs until it must end
+            assert reasoning or extra < 9, (family, budget, want.text)
+            jsonschema.validate(json.loads(answer), SCHEMA)
+            assert want.finish_reason == "length" and want.stats.budget_steered > 0
+            assert len(want.tokens) <= budget
+            ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
+                                   eos_token_ids=target.eos_token_ids, max_tokens=budget,
+                                   matcher=e.compiled(e.prepare(
+                                       ids, constraint=constraint, max_tokens=budget,
+                                       thinking=thinking)).matcher(),
+                                   temperature=params.temperature, top_k=params.top_k,
+                                   top_p=params.top_p, seed=params.seed or 0,
+                                   logit_bias=params.logit_bias, thinking=rule,
+                                   budget=BudgetOracle.of(e.compiler.tokenizer,
+                                                          target.vocab_size,
+                                                          target.eos_token_ids, budget))
+            same = (list(want.tokens), want.finish_reason) == (list(ref.tokens),
+                                                               ref.finish_reason)
+            tally.record("reasoning budget: plain vs oracle", same)
+            if not same:
+                bad.append(f"{budget} {mode}: plain {want.tokens} != oracle {ref.tokens}")
+            bad += cells_vs(engines, CELLS, want, "reasoning budget: spec cells vs plain",
+                            f"{budget} {mode}", ids, constraint=constraint, sampling=params,
+                            max_tokens=budget, thinking=thinking)[0]
+    assert not bad, "\n".join(bad)
 
 
 def test_a_template_without_a_think_block_cannot_think(models, tmp_path):
@@ -317,7 +380,9 @@ def test_a_budget_ending_mid_character_waits_for_the_character(models):
                            matcher=g.matcher(), temperature=params.temperature,
                            top_k=params.top_k, top_p=params.top_p, seed=params.seed or 0,
                            thinking=ThinkingRule(budget, close_ids,
-                                                 lambda toks: close_ids[0] in toks))
+                                                 lambda toks: close_ids[0] in toks),
+                           budget=BudgetOracle.of(e.compiler.tokenizer, target.vocab_size,
+                                                  target.eos_token_ids, MAX_TOKENS))
     assert list(ref.tokens) == list(want.tokens)
     for cell in CELLS[:2]:
         eng = engines[cell.draft]
