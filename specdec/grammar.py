@@ -49,6 +49,19 @@ PARSER_LIMITS = dict(max_items_in_row=2000, step_max_items=50_000, step_lexer_fu
                      max_grammar_size=500_000)
 
 
+# llguidance's lenient warnings name the keyword they did not enforce (`Unimplemented keys:
+# ["not"]`, `oneOf not fully supported, ...`), except an unknown format's, which names the
+# format alone.
+_UNKNOWN_FORMAT = "Unknown format: "
+
+
+def _keyword_warning(message: str) -> str:
+    """A compile warning that names the keyword it is about."""
+    if message.startswith(_UNKNOWN_FORMAT):
+        return f'{message} (keyword "format" not enforced)'
+    return message
+
+
 def schema_dict(value: Any) -> dict[str, Any]:
     """A JSON schema given as JSON text or a dict, as a dict (`true` as {}).
 
@@ -323,7 +336,7 @@ class GrammarCompiler:
         if probe.is_error() or not first.any():
             raise GrammarError(c.kind, "the constraint matches no text: no token, not even the "
                                        "end of output, is allowed at the start")
-        compiled = CompiledGrammar(text, tuple(messages), template)
+        compiled = CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template)
         with self._lock:
             self.misses += 1
             self._cache[text] = compiled
