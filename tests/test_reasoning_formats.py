@@ -9,8 +9,9 @@ Per format: the protocol `render_thinking` reads from the rendered template; pla
 equals the oracle (which applies the budget rule itself) and every proposer cell and the same
 request inside a batch equal plain, greedy and seeded, on the reference BLAS, with the
 reasoning ended by the model, by the budget mid-thought, by the budget at once, or skipped;
-every finished answer validates. `max_tokens` spent inside the reasoning gives an empty
-answer and "length". Without thinking, a constrained prompt ends with the format's own answer
+every answer validates (the budget rule ends the reasoning in time). A budget spent
+inside the reasoning still ends in a valid answer; opted out of the rule, in an empty answer
+and "length". Without thinking, a constrained prompt ends with the format's own answer
 header (Harmony's final channel), checked on the prompt and output bytes. The answer may hold
 the format's markers inside a JSON string.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from oracle import ThinkingRule, reference_decode
+from oracle import BudgetOracle, ThinkingRule, reference_decode
 from specdec import blas
 from specdec.engine import Engine
 from specdec.grammar import Constraint
@@ -179,7 +180,10 @@ def test_plain_equals_oracle_and_every_cell_equals_plain_across_the_end_of_reaso
                                    matcher=g.matcher(), temperature=params.temperature,
                                    top_k=params.top_k, top_p=params.top_p,
                                    seed=params.seed or 0, logit_bias=params.logit_bias,
-                                   thinking=_rule(target, thinking, close_ids))
+                                   thinking=_rule(target, thinking, close_ids),
+                                   budget=BudgetOracle.of(e.compiler.tokenizer,
+                                                          target.vocab_size,
+                                                          target.eos_token_ids, MAX_TOKENS))
             same = list(want.tokens) == list(ref.tokens)
             tally.record(f"reasoning formats: plain vs oracle ({fmt})", same)
             if not same:
@@ -187,8 +191,7 @@ def test_plain_equals_oracle_and_every_cell_equals_plain_across_the_end_of_reaso
             reasoning, answer = split_reasoning(_text(target, want.tokens), thinking)
             assert answer is not None and want.reasoning == reasoning, (end, want.text)
             assert thinking.close not in reasoning and want.text == answer
-            if want.finish_reason == "stop":
-                jsonschema.validate(json.loads(answer), SCHEMA)
+            jsonschema.validate(json.loads(answer), SCHEMA)  # in time: the budget rule
             bad += cells_vs(engines, CELLS, want, f"reasoning formats: spec cells vs plain "
                             f"({fmt})", f"{end} {mode}", ids, constraint=constraint,
                             sampling=params, max_tokens=MAX_TOKENS, thinking=thinking)[0]
@@ -204,18 +207,35 @@ def test_plain_equals_oracle_and_every_cell_equals_plain_across_the_end_of_reaso
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_max_tokens_inside_the_reasoning_is_an_empty_answer_and_length(models, fmt):
+def test_a_budget_spent_in_the_reasoning_still_ends_in_a_valid_answer(models, fmt):
+    """No thinking budget, the output opening its reasoning and a token budget a little
+    above the constraint's minimum (room for the think markup): the budget rule ends the
+    reasoning in time and the answer validates ("length": the budget forced the close), by every engine alike. Opted
+    out (`close_at_budget=False`), the budget runs out inside the reasoning: an empty answer
+    and "length"."""
     target, engines = models[fmt]
     e = engines["none"]
     ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=None)
     choice = _choice_token(e, thinking)
+    constraint = Constraint.json_schema(SCHEMA)
+    sampling = dataclasses.replace(MODES["seeded"], logit_bias=((choice, 16.0),))
+    minimum = e.prepare(ids, constraint=constraint, max_tokens=MAX_TOKENS,
+                        thinking=thinking).closing.minimum
+    want = None
     for eng in engines.values():
-        got = eng.generate(eng.prepare(
-            ids, constraint=Constraint.json_schema(SCHEMA), max_tokens=12,
-            sampling=dataclasses.replace(MODES["seeded"], logit_bias=((choice, 16.0),)),
-            thinking=thinking, spec=None if eng is e else "default"))
-        assert got.finish_reason == "length" and got.text == "", got
+        spec = None if eng is e else "default"
+        got = eng.generate(eng.prepare(ids, constraint=constraint, max_tokens=minimum + 16,
+                                       sampling=sampling, thinking=thinking, spec=spec))
         assert _text(target, got.tokens).startswith(thinking.open)
+        assert got.finish_reason == "length" and got.stats.budget_steered, got
+        jsonschema.validate(json.loads(got.text), SCHEMA)
+        assert want is None or got.tokens == want.tokens
+        want = got
+        cut = eng.generate(eng.prepare(ids, constraint=constraint, max_tokens=12,
+                                       sampling=sampling, thinking=thinking, spec=spec,
+                                       close_at_budget=False))
+        assert cut.finish_reason == "length" and cut.text == "", cut
+        assert _text(target, cut.tokens).startswith(thinking.open)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

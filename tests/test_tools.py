@@ -195,7 +195,8 @@ def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
     if req.thinking is not None:
         close, opener = req.thinking.close, req.thinking.open
         text = engine.decode_text
-        rule = ThinkingRule(req.thinking.budget, marker_ids(engine.compiler.markup, close)[0],
+        budget = 10 ** 9 if req.thinking.budget is None else req.thinking.budget
+        rule = ThinkingRule(budget, marker_ids(engine.compiler.markup, close)[0],
                             lambda toks: close in text(toks),
                             (lambda toks: 0) if opener is None else (lambda toks: next(
                                 (i + 1 for i in range(len(toks)) if opener in text(
@@ -206,7 +207,7 @@ def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
                                              log_level=0),
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                            seed=s.seed or 0, logit_bias=s.logit_bias, thinking=rule,
-                           budget=None if rule is not None or req.closing is None else
+                           budget=None if req.closing is None else
                            BudgetOracle.of(engine.compiler.tokenizer, t.vocab_size,
                                            t.eos_token_ids, req.max_tokens, req.closing.hints))
     return ref.tokens
@@ -318,6 +319,30 @@ def test_a_call_after_thinking_is_exact(cell_engines):
     assert not bad, "\n".join(bad)
     want = e.generate(e.prepare(dataclasses.replace(greq, spec=None)))
     assert want.reasoning is not None and want.finish_reason == "tool_calls", want
+
+
+def test_a_forced_call_after_thinking_closes_within_the_budget(cell_engines):
+    """Thinking, then a forced call, the token budget a few tokens above the minimum: the
+    budget rule ends the reasoning and the call in time (a complete call, valid arguments,
+    finish "length"), plain equals the oracle, each proposer and a batch equal plain."""
+    assert blas.active() == "reference"
+    engines = cell_engines("qwen3")
+    e = engines["none"]
+    greq = GenerateRequest(messages=ASK, tools=(WEATHER, CLOCK), thinking=True,
+                           tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    minimum = e.prepare(greq).closing.minimum
+    for extra in (0, 6):
+        r = dataclasses.replace(greq, max_tokens=minimum + extra)
+        bad = check_cells(engines, r, "tools: cells vs plain (thinking, capped)", [
+            dataclasses.replace(greq, thinking=False), GenerateRequest(messages=ASK,
+                                                                       max_tokens=10)])
+        assert not bad, "\n".join(bad)
+        want = e.generate(e.prepare(dataclasses.replace(r, spec=None)))
+        assert want.reasoning is not None and len(want.tool_calls) == 1, want
+        assert want.finish_reason == "length" and want.stats.budget_steered, want
+        c = want.tool_calls[0]
+        tool = {"get_weather": WEATHER, "get_time": CLOCK}[c.name]
+        jsonschema.validate(json.loads(c.arguments), dict(tool.parameters))
 
 
 def accepts(engine: Engine, grammar: str, text: str) -> bool:
