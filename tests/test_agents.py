@@ -6,10 +6,17 @@ retry), the openai-agents SDK (Chat Completions and Responses models), instructo
 
 The embedded 135M model calls a tool reliably after a few-shot history (two earlier
 question -> call -> result -> answer turns), so each loop starts from one, written in the
-framework's own message types; greedy decoding throughout. Every test checks that the call
+framework's own message types; greedy decoding throughout. Every loop checks that the call
 happened with schema-valid arguments, that the tool function ran, that its result reached
 the server in the next request (recorded off the wire by HTTP client event hooks), and that the
-loop ended with a final answer."""
+loop ended with a final answer.
+
+Each library also makes one capped call: a structured answer or a forced call whose budget
+is above its minimum but short enough that the budget closes it (a "length" ending, with
+`specdec.budget_steered` > 0, read off the wire). Where the library accepts a "length" ending
+that carries a complete document, its own path parses it; where it refuses one by design, the
+test shows the complete answer is in what the library hands the user (its exception), or,
+where the exception carries no answer (openai-agents' Responses model), off the wire."""
 
 from __future__ import annotations
 
@@ -35,14 +42,19 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": D
 SHOTS = (("Paris", "sunny"), ("Rome", "rainy"))  # the few-shot turns: city, tool result
 ASK = "What is the weather in London?"
 WEATHER = {"London": "cloudy"}
+RECIPE_ASK = "Describe a pancake recipe in detail."  # the model lists steps until it is stopped
+CAPPED_ANSWER = 24  # tokens; a Recipe answer's minimum is 12
+CAPPED_CALL = 40  # a forced Recipe call's is ~30 (its markup's and the schema's)
 
 
 class Wire:
-    """The JSON bodies a client sent, by event hook on its HTTP client (httpx2, the SDKs'
-    transport): what the server got."""
+    """The JSON bodies a client sent and got, by event hooks on its HTTP client (httpx2, the
+    SDKs' transport): what the server got and answered. A response is read whole in its hook
+    (the client then reads it from memory); a stream is kept as its events' JSON objects."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.responses: list[dict[str, Any] | list[dict[str, Any]]] = []
 
     def _record(self, request: httpx2.Request) -> None:
         self.bodies.append(json.loads(request.content))
@@ -50,11 +62,28 @@ class Wire:
     async def _arecord(self, request: httpx2.Request) -> None:
         self._record(request)
 
+    def _keep(self, response: httpx2.Response) -> None:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            self.responses.append([json.loads(line[5:]) for line in response.text.splitlines()
+                                   if line.startswith("data:") and line[5:].strip() != "[DONE]"])
+        else:
+            self.responses.append(response.json())
+
+    def _answer(self, response: httpx2.Response) -> None:
+        response.read()
+        self._keep(response)
+
+    async def _aanswer(self, response: httpx2.Response) -> None:
+        await response.aread()
+        self._keep(response)
+
     def sync(self) -> httpx2.Client:
-        return httpx2.Client(event_hooks={"request": [self._record]}, timeout=300)
+        return httpx2.Client(event_hooks={"request": [self._record], "response": [self._answer]},
+                             timeout=300)
 
     def asynchronous(self) -> httpx2.AsyncClient:
-        return httpx2.AsyncClient(event_hooks={"request": [self._arecord]}, timeout=300)
+        return httpx2.AsyncClient(event_hooks={"request": [self._arecord],
+                                               "response": [self._aanswer]}, timeout=300)
 
 
 class Weather:
@@ -84,6 +113,34 @@ def chat_history() -> list[dict[str, Any]]:
 def assert_answer(text: str | None) -> None:
     assert text and text.strip()
     assert "cloudy" in text.lower()  # the model used the tool's result
+
+
+class Recipe(BaseModel):
+    """A recipe."""
+
+    title: str
+    steps: list[str]
+
+
+def assert_budget_closed(wire: Wire) -> None:
+    """The last response off the wire ended because the budget closed its document: the API's
+    own "length" ending, and the tokens the budget chose counted in `specdec.budget_steered`."""
+    got = wire.responses[-1]
+    if isinstance(got, list):  # a Chat Completions stream's chunks
+        finish = [c["finish_reason"] for e in got for c in e.get("choices", ())
+                  if c.get("finish_reason")]
+        assert finish == ["length"]
+        (ext,) = [e["specdec"] for e in got if "specdec" in e]
+    else:
+        if "choices" in got:
+            assert got["choices"][0]["finish_reason"] == "length"
+        elif "status" in got:  # Responses
+            assert got["status"] == "incomplete"
+            assert got["incomplete_details"] == {"reason": "max_output_tokens"}
+        else:  # Messages
+            assert got["stop_reason"] == "max_tokens"
+        ext = got["specdec"]
+    assert ext["budget_steered"] > 0
 
 
 def chat_tool_result(body: dict[str, Any], call_id: str) -> str:
@@ -188,6 +245,41 @@ def test_openai_streamed_loop_accumulates_call_deltas_by_index(server, wire, wea
     assert chat_tool_result(wire.bodies[1], calls[0]["id"]) == "cloudy"
 
 
+def test_openai_parse_refuses_a_capped_answer_its_completion_holds(server, wire):
+    # `.parse()` raises LengthFinishReasonError on any "length" ending, before parsing; the
+    # exception's `.completion` holds the complete answer, which the response model
+    # validates as `.parse()` would have (pydantic's `model_validate_json`).
+    client = openai_client(server, wire)
+    with pytest.raises(openai.LengthFinishReasonError) as e:
+        client.chat.completions.parse(
+            model="default", messages=[{"role": "user", "content": RECIPE_ASK}],
+            response_format=Recipe, temperature=0, max_tokens=CAPPED_ANSWER)
+    assert_budget_closed(wire)
+    assert len(wire.bodies) == 1
+    assert e.value.completion.choices[0].finish_reason == "length"
+    Recipe.model_validate_json(e.value.completion.choices[0].message.content)
+
+
+def test_openai_stream_refuses_a_capped_answer_its_snapshot_holds(server, wire):
+    # `.stream()` raises the same error at the "length" chunk; its `.completion` is the
+    # snapshot accumulated from the deltas, the complete answer. (The usage chunk carries
+    # the stream's `specdec` extension.)
+    client = openai_client(server, wire)
+    deltas: list[str] = []
+    with pytest.raises(openai.LengthFinishReasonError) as e:
+        with client.chat.completions.stream(
+                model="default", messages=[{"role": "user", "content": RECIPE_ASK}],
+                response_format=Recipe, temperature=0, max_tokens=CAPPED_ANSWER,
+                stream_options={"include_usage": True}) as stream:
+            for event in stream:
+                if event.type == "content.delta":
+                    deltas.append(event.delta)
+    assert_budget_closed(wire)
+    content = e.value.completion.choices[0].message.content
+    assert content == "".join(deltas)
+    Recipe.model_validate_json(content)
+
+
 # 2. langchain-openai: bind_tools + ToolMessage loop.
 
 def langchain_llm(server: Server, wire: Wire, tool: Any) -> Any:
@@ -230,6 +322,24 @@ def test_langchain_bind_tools_loop_to_the_final_message(server, wire, weather):
     assert messages[-1].response_metadata["finish_reason"] == "stop"
     assert_answer(messages[-1].content)
     assert chat_tool_result(wire.bodies[1], call_id) == "cloudy"
+
+
+def test_langchain_structured_output_refuses_a_capped_answer_its_error_holds(server, wire):
+    # ChatOpenAI.with_structured_output's default method ("json_schema") goes through the
+    # openai SDK's `.parse()`, whose LengthFinishReasonError reaches the caller as it is; its
+    # `.completion` holds the complete answer. (method="function_calling" parses a forced
+    # call's arguments whatever the finish.)
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="default",
+                     temperature=0, max_tokens=CAPPED_ANSWER, max_retries=0,
+                     http_client=wire.sync())
+    with pytest.raises(openai.LengthFinishReasonError) as e:
+        llm.with_structured_output(Recipe).invoke(RECIPE_ASK)
+    assert_budget_closed(wire)
+    assert len(wire.bodies) == 1
+    assert wire.bodies[0]["response_format"]["type"] == "json_schema"
+    Recipe.model_validate_json(e.value.completion.choices[0].message.content)
 
 
 # 3. pydantic-ai: a function tool to the final text; an output tool's validation retry.
@@ -316,6 +426,23 @@ def test_pydantic_ai_output_tool_validation_retry_is_served(server, wire):
     assert "Give the forecast again." in chat_tool_result(wire.bodies[1], calls[0].tool_call_id)
 
 
+def test_pydantic_ai_output_tool_takes_a_capped_call(server, wire):
+    # pydantic-ai refuses a "length" ending only where the output was cut (IncompleteToolCall
+    # for arguments that do not parse, OutputTokenLimitExceeded for cut JSON text or no
+    # output); a complete output tool call is the run's output.
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse
+
+    agent = Agent(pydantic_ai_model(server, wire), output_type=Recipe,
+                  model_settings={"temperature": 0, "max_tokens": CAPPED_CALL})
+    result = agent.run_sync(RECIPE_ASK)
+    assert isinstance(result.output, Recipe)
+    assert_budget_closed(wire)
+    assert len(wire.bodies) == 1 and wire.bodies[0]["tool_choice"] == "required"
+    (response,) = [m for m in result.all_messages() if isinstance(m, ModelResponse)]
+    assert response.finish_reason == "length"
+
+
 # 4. openai-agents: a function tool on the Chat Completions and the Responses model.
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
@@ -363,6 +490,36 @@ def test_openai_agents_function_tool_to_final_output(server, wire, weather, api)
         assert sent[1]["output"] == "cloudy"
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_openai_agents_capped_output(server, wire, api):
+    # The Chat Completions model takes a "length" ending that carries content (it refuses
+    # only an empty one) and the output schema validates it. The Responses model raises
+    # ModelBehaviorError on any `incomplete` response, whose message carries only the status
+    # and details: the answer is not in what the SDK hands back, only off the wire, where
+    # the same output schema validates it.
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                        Runner, set_tracing_disabled)
+    from agents.agent_output import AgentOutputSchema
+    from agents.exceptions import ModelBehaviorError
+
+    set_tracing_disabled(True)
+    model_cls = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+    agent = Agent(name="cook", output_type=Recipe,
+                  model=model_cls(model="default", openai_client=async_openai_client(server, wire)),
+                  model_settings=ModelSettings(temperature=0, max_tokens=CAPPED_ANSWER))
+    if api == "chat":
+        result = Runner.run_sync(agent, RECIPE_ASK, max_turns=1)
+        assert isinstance(result.final_output, Recipe)
+    else:
+        with pytest.raises(ModelBehaviorError, match="status=incomplete"):
+            Runner.run_sync(agent, RECIPE_ASK, max_turns=1)
+        (text,) = [p["text"] for item in wire.responses[-1]["output"]
+                   for p in item.get("content") or () if p["type"] == "output_text"]
+        assert isinstance(AgentOutputSchema(Recipe).validate_json(text), Recipe)
+    assert_budget_closed(wire)
+    assert len(wire.bodies) == 1
+
+
 # 5. instructor: Mode.TOOLS with a validation re-ask.
 
 def test_instructor_tools_mode_reasks_after_a_validation_error(server, wire):
@@ -397,6 +554,25 @@ def test_instructor_tools_mode_reasks_after_a_validation_error(server, wire):
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
     reask = chat_tool_result(wire.bodies[1], call["id"])
     assert "name the sky again" in reask
+
+
+def test_instructor_refuses_a_capped_call_its_exception_holds(server, wire):
+    # instructor raises IncompleteOutputException on any "length" ending, before parsing and
+    # without a re-ask; its `last_completion` holds the complete call, whose arguments the
+    # response model validates.
+    import instructor
+    from instructor.core import IncompleteOutputException
+
+    client = instructor.from_openai(openai_client(server, wire), mode=instructor.Mode.TOOLS)
+    with pytest.raises(IncompleteOutputException) as e:
+        client.chat.completions.create(
+            model="default", response_model=Recipe, max_retries=2, temperature=0,
+            max_tokens=CAPPED_CALL, messages=[{"role": "user", "content": RECIPE_ASK}])
+    assert_budget_closed(wire)
+    assert len(wire.bodies) == 1
+    (call,) = e.value.last_completion.choices[0].message.tool_calls
+    assert call.function.name == "Recipe"
+    Recipe.model_validate_json(call.function.arguments)
 
 
 # 6. anthropic: tools, tool_choice auto, a tool_result turn.
@@ -439,3 +615,15 @@ def test_anthropic_tool_use_then_tool_result_to_the_final_text(server, wire, wea
     assert sent[-2]["content"][-1]["id"] == use.id
     assert sent[-1]["content"] == [{"type": "tool_result", "tool_use_id": use.id,
                                     "content": "cloudy"}]
+
+
+def test_anthropic_parse_takes_a_capped_answer(server, wire):
+    # messages.parse validates the text against `output_format` whatever the stop_reason.
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0,
+                                 http_client=wire.sync())
+    msg = client.messages.parse(model="default", max_tokens=CAPPED_ANSWER, output_format=Recipe,
+                                messages=[{"role": "user", "content": RECIPE_ASK}],
+                                extra_body={"temperature": 0})
+    assert msg.stop_reason == "max_tokens"
+    assert isinstance(msg.parsed_output, Recipe)
+    assert_budget_closed(wire)
