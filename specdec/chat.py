@@ -2,10 +2,11 @@
 
 A constraint's own grammar masks from the first generated token, so it can never close a
 reasoning block the template opened. Constrained requests therefore render with the
-template's no-think switch; a template that opens a think block with no switch is refused
-(`ReasoningConflictError`) instead of producing wrong output. A request that asks for
-thinking renders with `render_thinking` instead: its grammar holds the think block, then
-the constraint (`reasoning.think_grammar`).
+template's no-think switch; a template that opens a think block with no switch raises
+`TemplateThinksError` (the Preparer then renders the request as one that thinks). A request
+that asks for thinking renders with `render_thinking` instead: its grammar holds the think
+block, then the constraint (`reasoning.think_grammar`); where the template leaves opening
+the block to the model, the output must open it (asked for, thinking is not skipped).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import (ChatTemplateError, ReasoningConflictError, RequestError,  # noqa: F401
-                     ThinkingUnsupportedError)
+                     TemplateThinksError, ThinkingUnsupportedError)
 from .reasoning import (GEMMA, HARMONY, OTHER_TAGS, THINK_TAG, Protocol, Thinking,
                         find_protocol, think_tag)
 
@@ -101,8 +102,9 @@ def render_thinking(tokenizer: Any, messages: list[dict[str, Any]], *,
             "its thinking switch on; it cannot think here")
     if opened:
         return text, Thinking(close=proto.close, budget=budget, header=after, name=proto.name)
+    # (the template leaves opening the reasoning to the model: asked for, it is opened)
     return text, Thinking(close=proto.close, open=proto.open, budget=budget, header=after,
-                          direct=proto.direct, name=proto.name)
+                          name=proto.name)
 
 
 def protocol_named(name: str) -> Protocol:
@@ -192,7 +194,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, constrained: 
         why = ("has no switch to turn reasoning off (rendering with enable_thinking, thinking "
                "or reasoning false changes nothing)" if plain == text
                else "has a no-think switch that did not close it")
-        raise ReasoningConflictError(
+        raise TemplateThinksError(
             "this model's chat template opens a reasoning block for the reply and " + why +
             "; a structured-output constraint would never let it close: ask for thinking "
             "(reasoning_effort, or chat_template_kwargs enable_thinking) to answer after it")

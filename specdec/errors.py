@@ -111,6 +111,11 @@ class ReasoningConflictError(ChatTemplateError):
     code = "reasoning_conflict"
 
 
+class TemplateThinksError(ReasoningConflictError):
+    """The chat template opens a reasoning block for the reply and cannot switch it off (an
+    always-thinking template): a constrained request there thinks, then answers."""
+
+
 class ThinkingUnsupportedError(ChatTemplateError):
     """Thinking was asked for, and the chat template has no think block."""
 

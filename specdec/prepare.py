@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from .chat import NO_THINK_KWARGS, render_chat, render_thinking
 from .config import EngineDefaults, SpecConfig
-from .errors import ChatTemplateError, CompileTimeout, RequestError
+from .errors import ChatTemplateError, CompileTimeout, RequestError, TemplateThinksError
 from .grammar import CompiledGrammar, GrammarCompiler, schema_dict, to_grammar
 from .models import LoadedModel
 from .reasoning import Thinking, marker_ids
@@ -190,9 +190,13 @@ class Preparer:
                     if r.thinking:
                         ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
                     else:
-                        ids = self.chat_prompt(msgs, constrained=constrained,
-                                               template_kwargs=kwargs,
-                                               answer_header=not tools)
+                        try:
+                            ids = self.chat_prompt(msgs, constrained=constrained,
+                                                   template_kwargs=kwargs,
+                                                   answer_header=not tools)
+                        except TemplateThinksError:  # it always thinks: think, then answer
+                            ids, thinking = self.chat_prompt_thinking(
+                                msgs, template_kwargs=kwargs)
                     break
                 except ChatTemplateError:
                     if n == len(turns) - 1:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import GrammarError
-from .reasoning import Markup
+from .reasoning import Markup, find_protocol
 
 
 ID = "\x00"  # where a call's id sits in a segment
@@ -217,13 +217,21 @@ def detect(render: Render, end_texts: Sequence[str] = ()) -> ToolFormat:
 
 
 def _turn(render: Render, msg: dict[str, Any]) -> str | None:
-    """What the template writes for an assistant turn (after the generation prompt)."""
+    """What the template writes for an assistant turn (after the generation prompt; where
+    the generation prompt ends by opening the reasoning, as an always-thinking template's
+    does, after what comes before that marker: the turn the history holds has no reasoning)."""
     try:
         head = render([PROBE_USER], PROBE_TOOLS, True)
         full = render([PROBE_USER, msg], PROBE_TOOLS, False)
     except Exception:
         return None
-    return full[len(head):] if full.startswith(head) else None
+    if full.startswith(head):
+        return full[len(head):]
+    proto = find_protocol(head[-80:])
+    at = head.rstrip().rfind(proto.open) if proto is not None else -1
+    if at >= 0 and not head[at + len(proto.open):].strip() and full.startswith(head[:at]):
+        return full[at:]
+    return None
 
 
 def _call(i: int, args: Any, as_string: bool) -> dict[str, Any]:
