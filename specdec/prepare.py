@@ -389,11 +389,12 @@ class Preparer:
 
     def _closing_hints(self, fmt: ToolFormat | None) -> tuple[tuple[TokenId, ...], ...]:
         """Where a tool format writes string arguments raw (Qwen3-Coder's
-        `<parameter=k>\nv\n</parameter>`), the tokens of the text that ends a value: the
-        budget's closing walk ends a raw value with them (`budget`)."""
+        `<parameter=k>\nv\n</parameter>`), the tokens of the text that ends a value (its
+        special tokens by id: GLM's `</arg_value>`): the budget's closing walk ends a raw
+        value with them (`budget`)."""
         if fmt is None or fmt.xml is None or not fmt.xml.value_end:
             return ()
-        return (tuple(self.compiler.tokenizer.tokenize_str(fmt.xml.value_end)),)
+        return (tuple(self.compiler.markup.ids(fmt.xml.value_end)),)
 
     def _closing(self, req: Request, hints: tuple[tuple[TokenId, ...], ...] = ()) -> Request:
         """`req` with its budget rule (`budget`): its constraint's minimum budget, a 400

@@ -12,7 +12,8 @@ for the whole answer: with "auto", free text (or the `response_format` answer) t
 contains the format's call marker, or text then calls, or calls; the name is one of the
 tools', the arguments match that tool's `parameters`, then the format's closing markup, more
 calls where `parallel_tool_calls`, and the end of the turn. So the bytes generated for a call
-are the bytes the template renders for that call in the history.
+are the bytes the template renders for that call in the history (but the whitespace around
+a raw value's closing tag, which the model may leave out: `XmlParams`).
 
 `CallParser` reads an answer back as text and calls, incrementally (a stream's deltas),
 holding back text that could still be the start of call markup, so markup never reaches
@@ -45,7 +46,13 @@ class XmlParams:
     parameter, `next` closes one and opens the next, `last` closes the last one and the call,
     `empty` ends a call without parameters; `mid` sits between a key and its value; `value_end`
     (the common start of `next` and `last`) ends a value. String values are written raw, the
-    others as JSON."""
+    others as JSON.
+
+    A raw value cannot hold its element's closing tag: it ends at the first one, whatever
+    whitespace the model wrote before it (the families' own parsers read it so: `read`),
+    and between the tag and the markup after it stands the template's whitespace or none
+    (`closing`). A value the grammar writes whole (JSON, an enum) ends with `value_end`, so
+    such a call is the bytes the template renders for it."""
 
     first: str
     mid: str
@@ -56,6 +63,29 @@ class XmlParams:
     @property
     def value_end(self) -> str:
         return _common_prefix(self.next, self.last)
+
+    @property
+    def closing(self) -> tuple[str, str, str, str]:
+        """`value_end` as (lead, tag, gap, after): the whitespace before the closing tag,
+        the tag (up to its `>`), the whitespace after it, the start of the markup that
+        follows (Qwen3-Coder's `\\n`, `</parameter>`, `\\n` and none)."""
+        end = self.value_end
+        body = end.lstrip()
+        n = body.find(">") + 1 or len(re.split(r"\s", body, maxsplit=1)[0])
+        rest = body[n:]
+        after = rest.lstrip()
+        return end[:len(end) - len(body)], body[:n], rest[:len(rest) - len(after)], after
+
+    def read(self, raw: str) -> str:
+        """A raw value as written between its markup and its closing tag, read back as the
+        family's own parser reads it: where the template pads values with whitespace
+        (Qwen3-Coder's newlines), one of the padding before the tag is dropped (the rest is
+        the value's); where it writes them flush against their tags (GLM), the whitespace
+        around the value is (vLLM's qwen3_coder and glm4_moe parsers)."""
+        lead = self.closing[0]
+        if lead or self.mid != self.mid.rstrip():
+            return raw.removesuffix(lead)
+        return raw.strip()
 
 
 @dataclass(frozen=True)
@@ -363,17 +393,23 @@ def _marker(first: str) -> str:
 
 
 def _common_prefix(a: str, b: str) -> str:
+    """The common start of two segments, never ending inside a tag: a tag is often one token
+    (GLM's `<arg_key>`), which a segment boundary must not split."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
-    return a[:n]
+    lt = a.rfind("<", 0, n)
+    return a[:lt] if lt > a.rfind(">", 0, n) else a[:n]
 
 
 def _common_suffix(a: str, b: str) -> str:
+    """The common end of two segments, never starting inside a tag (`_common_prefix`)."""
     n = 0
     while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
         n += 1
-    return a[len(a) - n:]
+    tail = a[len(a) - n:]
+    gt = tail.find(">")
+    return tail[gt + 1:] if gt >= 0 and not 0 <= tail.find("<") < gt else tail
 
 
 # -- the grammar ------------------------------------------------------------------------------
@@ -617,10 +653,20 @@ def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str], lk: Lark)
     required = {r for r in (t.parameters.get("required") or ()) if isinstance(r, str)}
     defs = {k: t.parameters[k] for k in ("$defs", "definitions") if k in t.parameters}
     end = x.value_end
-    rules.append(f"VALUE_{i}: /(?s:.*)/ & ~/(?s:.*){_rx(end)}(?s:.*)/")
+    # A raw value ends at the first closing tag, the template's whitespace after it or none;
+    # a value the grammar writes whole (JSON, an enum) ends as the template ends it.
+    _, tag, gap, after = x.closing
+    rest = (f"({lk.expr(gap)})? " if gap else "") + lk.expr(after)
+    if lk.is_text(tag):  # the value and its tag: one lazy lexeme
+        rules.append(f"VALUE_{i}: /(?s:.*){_rx(tag)}/")
+        rules.append(f"value_{i}[lazy]: VALUE_{i}")
+        rules.append(f"raw_{i}: value_{i} {rest}")
+    else:  # a special token closes it: free text never holds one
+        rules.append(f"VALUE_{i}: /(?s:.*)/")
+        rules.append(f"raw_{i}: VALUE_{i} {lk.expr(tag)} {rest}")
     if not props:  # any keys, string values
         rules.append(f"KEY_{i}: /[A-Za-z_][A-Za-z0-9_.-]*/")
-        param = f'KEY_{i} {lk.expr(x.mid)} VALUE_{i} {lk.expr(end)}'
+        param = f'KEY_{i} {lk.expr(x.mid)} raw_{i}'
         rules.append(f"params_{i}: {lk.expr(x.empty)} | {lk.expr(x.first)} {param} "
                      f"more_{i}")
         rules.append(f"more_{i}: {lk.expr(x.last[len(end):])} | "
@@ -637,10 +683,13 @@ def _args_rule(fmt: ToolFormat, t: ToolSpec, i: int, rules: list[str], lk: Lark)
                                f"this model's format, which cannot enforce {loose}; drop "
                                "strict or those keywords")
         if sub.get("type") == "string" and isinstance(sub.get("enum"), list):
-            value = "(" + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + ")"
+            value = "(" + " | ".join(json.dumps(str(v)) for v in sub["enum"]) + \
+                f") {lk.expr(end)}"
+        elif sub.get("type") == "string":
+            value = f"raw_{i}"
         else:
-            value = f"VALUE_{i}" if sub.get("type") == "string" else _schema(t, closed(sub))
-        rules.append(f"p_{i}_{j}: {json.dumps(k)} {lk.expr(x.mid)} {value} {lk.expr(end)}")
+            value = f"{_schema(t, closed(sub))} {lk.expr(end)}"
+        rules.append(f"p_{i}_{j}: {json.dumps(k)} {lk.expr(x.mid)} {value}")
     for j in range(n, -1, -1):
         for started in (0, 1):
             name = f"s_{i}_{j}_{started}"
@@ -775,12 +824,14 @@ class CallParser:
         out: dict[str, Any] = {}
         strings = self.string_keys.get(name)
         end = x.value_end
+        _, tag, gap, after = x.closing
+        nxt, last = x.next[len(end):], x.last[len(end):]
         while True:
             k = s.find(x.mid, pos)
-            v = s.find(end, k + len(x.mid)) if k >= 0 else -1
+            v = s.find(tag, k + len(x.mid)) if k >= 0 else -1
             if v < 0:
                 return None, ""
-            key, raw = s[pos:k], s[k + len(x.mid):v]
+            key, raw = s[pos:k], x.read(s[k + len(x.mid):v])
             if strings is None or key in strings:
                 out[key] = raw
             else:
@@ -788,10 +839,16 @@ class CallParser:
                     out[key] = json.loads(raw)
                 except ValueError:
                     out[key] = raw
-            if s.startswith(x.next, v):
-                pos = v + len(x.next)
-            elif s.startswith(x.last, v):
-                return v + len(x.last), json.dumps(out, ensure_ascii=False)
+            v += len(tag)
+            if gap and s.startswith(gap, v):
+                v += len(gap)
+            if not s.startswith(after, v):
+                return None, ""
+            v += len(after)
+            if s.startswith(nxt, v):
+                pos = v + len(nxt)
+            elif s.startswith(last, v):
+                return v + len(last), json.dumps(out, ensure_ascii=False)
             else:
                 return None, ""
 

@@ -8,9 +8,10 @@ ByteLevel BPE (Llama 3, Qwen, Phi 3 in this matrix) or SentencePiece-style BPE w
 fallback (Gemma, Mistral/Llama 2), each with its chat template. Nothing is downloaded.
 
 TOOL_FORMATS: the tool-calling formats (Hermes/Qwen 2.5, Qwen 3, Llama 3.1 JSON, Mistral v0.3,
-Qwen3-Coder XML, DeepSeek V3, gpt-oss Harmony), each a family's tokenizer with that format's
-markup tokens (as the real tokenizers have them: special or added text tokens), its chat
-template (tests/templates/tools_*.jinja, of the real template's shape) and its end-of-turn ids.
+Qwen3-Coder XML, GLM-4.5 XML, DeepSeek V3, gpt-oss Harmony), each a family's tokenizer with
+that format's markup tokens (as the real tokenizers have them: special or added text tokens),
+its chat template (tests/templates/tools_*.jinja, of the real template's shape) and its
+end-of-turn ids.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ TOOL_CORPUS = (
 QWEN_TOOL_TOKENS = ("<tool_call>", "</tool_call>")  # Qwen 2.5: added, not special
 QWEN3_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                      "<think>", "</think>")  # Qwen 3 (and Qwen3-Coder): added, not special
+GLM_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+              "<arg_value>", "</arg_value>", "<tool_response>",
+              "</tool_response>")  # GLM-4.5: added, not special
 DEEPSEEK_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
                    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                    "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
@@ -137,6 +141,12 @@ TOKENIZERS.update({
                                  "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
                                  "<｜end▁of▁sentence｜>", _template("tools_deepseek.jinja"),
                                  added=DEEPSEEK_TOKENS, corpus=TOOL_CORPUS),
+    # GLM-4.5: the turn markers special; generation ends at the next turn's marker.
+    "glm": TokenizerKind(True, ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>",
+                                "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
+                                "<|observation|>"),
+                         None, "<|endoftext|>", "<|user|>", _template("tools_glm.jinja"),
+                         added=GLM_TOKENS, corpus=TOOL_CORPUS),
     # Gemma 4: the turn and channel markers special; generation ends with <turn|>.
     "gemma4": TokenizerKind(False, ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>",
                                     "<|channel>", "<channel|>", "<|think|>"), "<bos>", "<eos>",
@@ -311,6 +321,9 @@ TOOL_FORMATS: dict[str, ToolFamily] = {
                               ("<|endoftext|>", "<|im_end|>")),
     "deepseek": ToolFamily("llama3-tied", "deepseek-v3", "tools_deepseek.jinja",
                            ("<｜end▁of▁sentence｜>",)),
+    # GLM-4.5: [<|endoftext|>, <|user|>, <|observation|>] (151329, 151336, 151338).
+    "glm": ToolFamily("qwen3", "glm", "tools_glm.jinja",
+                      ("<|endoftext|>", "<|user|>", "<|observation|>")),
     # gpt-oss: [<|return|>, <|endoftext|>, <|call|>] (200002, 199999, 200012).
     "harmony": ToolFamily("llama3-tied", "harmony", "tools_harmony.jinja",
                           ("<|return|>", "<|endoftext|>", "<|call|>")),

@@ -183,7 +183,7 @@ CELLS = [Cell("self", SpecConfig(4, lookup=True)),
          Cell("self", SpecConfig(2, draft_masking=False)),
          Cell("self", SpecConfig(8, forced_drafting=False)),
          Cell("none", SpecConfig(8, lookup=True))]
-EXACT_FORMATS = ["hermes", "mistral", "qwen3_coder", "harmony", "generic"]
+EXACT_FORMATS = ["hermes", "mistral", "qwen3_coder", "glm", "harmony", "generic"]
 
 
 def oracle_tokens(engine: Engine, req) -> tuple[int, ...]:
