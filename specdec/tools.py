@@ -22,8 +22,10 @@ holding back text that could still be the start of call markup, so markup never 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +37,7 @@ from .reasoning import Markup, find_protocol
 
 ID = "\x00"  # where a call's id sits in a segment
 ID_CHARS = "[A-Za-z0-9]"
+_ALNUM = string.ascii_letters + string.digits  # ID_CHARS' characters
 
 # -- the format ------------------------------------------------------------------------------
 
@@ -725,7 +728,8 @@ class CallParser:
     `parse(answer so far)` gives the text, how much of it is certain (text that could still
     be the start of call markup is not), and the calls begun so far: a call's name is known
     once complete; JSON arguments grow as they arrive; XML parameters and a call whose id the
-    format writes after its arguments are known once the call is complete.
+    format writes after its arguments are known once the call is complete. An id the model
+    wrote that an earlier call of the answer has already is made unique (`_unique_id`).
 
     Attributes:
         fmt: the format.
@@ -802,7 +806,7 @@ class CallParser:
                 return out
             call.done = True
             if f.id_len and mm.groups():
-                self._ids[idx] = call.id = mm.group(1)
+                self._ids[idx] = call.id = _unique_id(mm.group(1), {c.id for c in out[:-1]})
             if mb is None:
                 return out
             pos = mb.end()
@@ -851,6 +855,20 @@ class CallParser:
                 return v + len(last), json.dumps(out, ensure_ascii=False)
             else:
                 return None, ""
+
+
+def _unique_id(cid: str, taken: set[str]) -> str:
+    """A call id the model wrote, or where an earlier call of the answer has it already,
+    one of the same length and alphabet derived from it (the next turn's template takes it:
+    Mistral's checks nine alphanumerics). A client matches results to calls by id; derived,
+    not drawn, so every reading of one answer (a stream's deltas, the final message) gives
+    the same."""
+    out, n = cid, 0
+    while out in taken:
+        n += 1
+        digest = hashlib.shake_256(f"{cid}:{n}".encode()).digest(len(cid))
+        out = "".join(_ALNUM[b % len(_ALNUM)] for b in digest)
+    return out
 
 
 def _seg(segment: str) -> re.Pattern[str]:

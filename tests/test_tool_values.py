@@ -1,13 +1,17 @@
-"""Where a raw argument value ends (`specdec.tools`).
+"""Where a raw argument value ends, and call ids the model writes (`specdec.tools`).
 
-In the formats that write each argument as an element (Qwen3-Coder's
-`<parameter=k>\\nv\\n</parameter>`, GLM's `<arg_key>k</arg_key><arg_value>v</arg_value>`), a
-raw (string) value ends at its first closing tag, with or without the whitespace the
-template puts around the tag: the grammar lets nothing else follow it than the next
-argument or the end of the call, and the reader gives the value stripped as the family's
-own parser (vLLM's qwen3_coder, glm4_moe) strips it, streamed or not. Through the tiny
-models of both formats, a forced call whose values are free text is made, its values end
-at their tags, plainly decoded it equals the oracle, and the next turn renders it.
+- In the formats that write each argument as an element (Qwen3-Coder's
+  `<parameter=k>\\nv\\n</parameter>`, GLM's `<arg_key>k</arg_key><arg_value>v</arg_value>`), a
+  raw (string) value ends at its first closing tag, with or without the whitespace the
+  template puts around the tag: the grammar lets nothing else follow it than the next
+  argument or the end of the call, and the reader gives the value stripped as the family's
+  own parser (vLLM's qwen3_coder, glm4_moe) strips it, streamed or not. Through the tiny
+  models of both formats, a forced call whose values are free text is made, its values end
+  at their tags, plainly decoded it equals the oracle, and the next turn renders it.
+- Ids the model writes (Mistral's nine characters) are unique within an answer: a repeated
+  one is replaced by one derived from it, the same in a stream's deltas and in the final
+  message, through the real server and the OpenAI client; the next turn renders the calls
+  and their results with those ids.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from specdec import blas
 from specdec.engine import Engine
 from specdec.events import ToolCallDelta
 from specdec.models import load
-from specdec.request import GenerateRequest, Message, Tool
+from specdec.request import GenerateRequest, Message, Tool, ToolCall
 from specdec.sampling import SamplingParams
 from specdec.tools import CallParser, ToolFormat, XmlParams
 from tests import tally
 from tests.families import make_tool_family
-from tests.test_tools import ASK, oracle_tokens, run_text
+from tests.test_tools import ASK, CLOCK, WEATHER, _shared, marker_bias, oracle_tokens, run_text
 
 NOTE = Tool("take_note", "Write a note down.", {
     "type": "object", "properties": {"text": {"type": "string"}, "topic": {"type": "string"}},
@@ -193,3 +197,77 @@ def test_a_model_that_closes_a_value_without_the_templates_newline_makes_its_cal
     assert "</arg_value><arg_key>" in generated, generated
     assert done.finish_reason == "tool_calls" and len(done.tool_calls) == 1, done
     assert json.loads(done.tool_calls[0].arguments) == {"text": "", "topic": ""}
+
+
+# -- call ids the model writes ------------------------------------------------------------
+
+MISTRAL_TEXT = ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}, "id": '
+                '"123456789"}, {"name": "get_time", "arguments": {"zone": "CET"}, "id": '
+                '"123456789"}, {"name": "get_time", "arguments": {"zone": "UTC"}, "id": '
+                '"abcdefghi"}]')
+
+
+def test_a_repeated_model_written_id_is_made_unique_the_same_streamed_or_not():
+    fmt = ToolFormat("template", " ", '[TOOL_CALLS] [{"name": "', None, '", "arguments": ',
+                     ', "id": "\x00"}, {"name": "', ', "id": "\x00"}]', "[TOOL_CALLS] [",
+                     id_len=9)
+    _, _, calls = CallParser(fmt, names=("get_time",)).parse(MISTRAL_TEXT, final=True)
+    ids = [c.id for c in calls]
+    assert ids[0] == "123456789" and ids[2] == "abcdefghi" and len(set(ids)) == 3, ids
+    assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids), ids
+    # the same answer read again, and streamed a few characters at a time
+    assert [c.id for c in CallParser(fmt).parse(MISTRAL_TEXT, final=True)[2]] == ids
+    got = run_text(fmt, [MISTRAL_TEXT[i:i + 5] for i in range(0, len(MISTRAL_TEXT), 5)])
+    streamed = {ev.index: ev.id for ev in got if isinstance(ev, ToolCallDelta)}
+    assert [streamed[i] for i in range(3)] == ids == [c.id for c in got[-1].tool_calls]
+
+
+def test_parallel_calls_of_a_model_that_repeats_its_id_get_unique_ids_on_the_wire(tmp_path):
+    # The tiny Mistral model writes one id for every call of an answer; through the real
+    # server and the OpenAI client, the message's first id is the model's, the others
+    # differ, the stream's are the message's, and the next turn renders each call and its
+    # result under its id (the template checks nine alphanumerics).
+    from server.app import create_app
+    from server.door import ServeConfig
+    from tests.serverproc import InProcess
+
+    e = Engine(load(str(make_tool_family("mistral", tmp_path / "m"))))
+    fmt = e.tool_format()
+    more = fmt.between[len(_shared(fmt.between, fmt.close)):]
+    bias = marker_bias(e, 100) + ((e.encode(more)[0], 8.0),)  # two calls or more
+    generated = e.decode_text(e.generate(e.prepare(GenerateRequest(
+        messages=ASK, tools=(WEATHER, CLOCK), max_tokens=120,
+        sampling=SamplingParams(logit_bias=bias)))).tokens)
+    written = [generated[i + 7:i + 16] for i in range(len(generated))
+               if generated.startswith('"id": "', i)]
+    assert len(written) >= 2 and len(set(written)) == 1, generated  # the model repeats it
+    srv = InProcess(create_app(e, ServeConfig()), e)
+    try:
+        client = srv.client()
+        body = dict(model="default", messages=[{"role": m.role, "content": m.content}
+                                               for m in ASK],
+                    tools=[{"type": "function", "function": {
+                        "name": t.name, "description": t.description,
+                        "parameters": dict(t.parameters)}} for t in (WEATHER, CLOCK)],
+                    max_tokens=120, temperature=0, logit_bias={str(t): v for t, v in bias})
+        calls = client.chat.completions.create(**body).choices[0].message.tool_calls
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(stream=True, **body):
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                if tc.id:
+                    streamed[tc.index] = tc.id
+    finally:
+        srv.stop()
+    ids = [c.id for c in calls]
+    assert len(ids) == len(written) and ids[0] == written[0] and len(set(ids)) == len(ids)
+    assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids), ids
+    assert [streamed[i] for i in range(len(ids))] == ids
+    then = ASK + (Message("assistant", "", tool_calls=tuple(
+        ToolCall(c.id, c.function.name, c.function.arguments) for c in calls)),) + tuple(
+        Message("tool", f'"result {k}"', tool_call_id=c.id, name=c.function.name)
+        for k, c in enumerate(calls))
+    prompt = e.decode_text(e.prepare(GenerateRequest(
+        messages=then, tools=(WEATHER, CLOCK), max_tokens=8, close_at_budget=False)).prompt_ids)
+    for k, c in enumerate(calls):
+        assert f'"id": "{c.id}"' in prompt
+        assert f'"result {k}", "call_id": "{c.id}"' in prompt
