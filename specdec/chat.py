@@ -61,14 +61,17 @@ def _opened(tail: str, proto: Protocol) -> bool | None:
 
 def render_thinking(tokenizer: Any, messages: list[dict[str, Any]], *,
                     template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                    budget: int | None = None,
-                    protocol: str | None = None) -> tuple[str, Thinking]:
+                    budget: int | None = None, protocol: str | None = None,
+                    optional: bool = False) -> tuple[str, Thinking]:
     """Render for a request that reasons before its (constrained) answer: the template's
     thinking switch on; returns the prompt text and the reasoning protocol the output
     follows. The protocol is read from what the template renders (`reasoning.find_protocol`
     over its generation prompt with thinking on and off, and an assistant turn with
     reasoning in the history), never from its source; `protocol` names one instead
     (`protocol_named`). The header after the reasoning is the one the template writes.
+    Where the template leaves opening the reasoning to the output, the output opens it
+    (asked for, thinking is not skipped), unless `optional`: then it may answer at once
+    instead (`Thinking.direct`).
 
     Raises:
         ThinkingUnsupportedError: the template writes no reasoning markers, or closes the
@@ -102,9 +105,8 @@ def render_thinking(tokenizer: Any, messages: list[dict[str, Any]], *,
             "its thinking switch on; it cannot think here")
     if opened:
         return text, Thinking(close=proto.close, budget=budget, header=after, name=proto.name)
-    # (the template leaves opening the reasoning to the model: asked for, it is opened)
     return text, Thinking(close=proto.close, open=proto.open, budget=budget, header=after,
-                          name=proto.name)
+                          direct=proto.direct if optional else None, name=proto.name)
 
 
 def protocol_named(name: str) -> Protocol:

@@ -96,13 +96,16 @@ class Preparer:
     def chat_prompt_thinking(self, messages: list[dict[str, Any]], *,
                              template: str | None = None,
                              template_kwargs: dict[str, Any] | None = None,
-                             budget: int | None = None) -> tuple[list[TokenId], Thinking]:
+                             budget: int | None = None, optional: bool = False
+                             ) -> tuple[list[TokenId], Thinking]:
         """Render for a request that thinks before answering (`chat.render_thinking`) and
-        tokenize; returns the ids and the think block to pass to `prepare`."""
+        tokenize; returns the ids and the think block to pass to `prepare`. `optional`: the
+        output may answer without reasoning where it opens the block itself."""
         text, thinking = render_thinking(self.target.tokenizer, messages,
                                          template=template or self.defaults.chat_template,
                                          template_kwargs=template_kwargs, budget=budget,
-                                         protocol=self.defaults.reasoning_format)
+                                         protocol=self.defaults.reasoning_format,
+                                         optional=optional)
         return self.encode(text), thinking
 
     def reasoning_tokens(self, tokens: Sequence[TokenId], thinking: Thinking) -> int:

@@ -330,9 +330,18 @@ TOOL_FORMATS: dict[str, ToolFamily] = {
 }
 
 
+# Always-thinking templates (their generation prompt opens the reasoning, with no switch):
+# not in TOOL_FORMATS, whose requests answer without reasoning.
+ALWAYS_THINKING: dict[str, ToolFamily] = {
+    "r1_distill": ToolFamily("llama3-tied", "deepseek-v3", "tools_r1_distill.jinja",
+                             ("<｜end▁of▁sentence｜>",)),
+}
+
+
 def make_tool_family(key: str, out: Path, seed: int = 0) -> Path:
-    """Write the model directory of tool format `key` (TOOL_FORMATS) to `out`."""
-    f = TOOL_FORMATS[key]
+    """Write the model directory of tool format `key` (TOOL_FORMATS, ALWAYS_THINKING) to
+    `out`."""
+    f = TOOL_FORMATS[key] if key in TOOL_FORMATS else ALWAYS_THINKING[key]
     return make_family(f.family, out, seed, template=_template(f.template),
                        tokenizer=f.tokenizer, eos=f.eos)
 

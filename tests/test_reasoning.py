@@ -112,7 +112,8 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     for end, (budget, bias) in ENDS.items():
         if end == "natural" and len(close_ids) > 1:
             continue  # a text marker is not one token to bias towards
-        ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
+        ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget,
+                                               optional=end == "skipped")
         if end == "skipped" and thinking.direct is None:
             continue
         assert (thinking.open is None) == (family != "qwen3")
@@ -257,6 +258,33 @@ def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family):
                             f"{budget} {mode}", ids, constraint=constraint, sampling=params,
                             max_tokens=budget, thinking=thinking)[0]
     assert not bad, "\n".join(bad)
+
+
+def test_asked_for_thinking_the_embedded_model_always_reasons(embedded, distilled):
+    """The embedded model, not trained to open a think block, behind a Qwen 3-style template
+    that leaves opening it to the model: asked for thinking, every answer comes after a
+    non-empty reasoning (the block is opened for it) and validates; the distilled draft's
+    speculation gives the same tokens."""
+    from specdec.config import EngineDefaults
+    from specdec.request import GenerateRequest, Message
+
+    defaults = EngineDefaults(chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    plain, spec = Engine(embedded, None, defaults=defaults), Engine(embedded, distilled,
+                                                                    defaults=defaults)
+    asks = ("Extract the fields as JSON: Ada, 36.", "Think, then answer in the schema: Bob, 41.")
+    for ask in asks:
+        greq = GenerateRequest(messages=(Message("user", ask),), thinking=True,
+                               constraint=Constraint.json_schema(SCHEMA), max_tokens=48)
+        req = plain.prepare(greq)
+        assert req.thinking is not None and req.thinking.open == "<think>"
+        assert req.thinking.direct is None  # asked for: not skipped
+        want = plain.generate(req)
+        assert want.reasoning and want.reasoning.strip(), (ask, want)
+        jsonschema.validate(json.loads(want.text), SCHEMA)
+        got = spec.generate(spec.prepare(greq))
+        tally.record("reasoning: asked for, embedded (distilled draft vs plain)",
+                     got.tokens == want.tokens)
+        assert got.tokens == want.tokens, ask
 
 
 def test_a_template_without_a_think_block_cannot_think(models, tmp_path):

@@ -74,8 +74,10 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_protocol_is_read_from_the_rendered_template(models, fmt):
     _, engines = models[fmt]
-    _, thinking = engines["none"].chat_prompt_thinking(MESSAGES, budget=3)
+    _, thinking = engines["none"].chat_prompt_thinking(MESSAGES, budget=3, optional=True)
     assert thinking == dataclasses.replace(FORMATS[fmt][3], budget=3)
+    _, asked = engines["none"].chat_prompt_thinking(MESSAGES, budget=3)  # it must reason
+    assert asked == dataclasses.replace(FORMATS[fmt][3], budget=3, direct=None)
 
 
 def _choice_tokens(e: Engine, thinking: Thinking) -> tuple[int, int | None]:
@@ -130,7 +132,8 @@ def test_plain_equals_oracle_and_every_cell_equals_plain_across_the_end_of_reaso
     bad: list[str] = []
     seen: set[str] = set()
     for end, budget in ENDS.items():
-        ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget)
+        ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=budget,
+                                               optional=end == "skipped")
         close_ids, special = marker_ids(e.compiler.markup, thinking.close)
         assert special and len(close_ids) == 1  # one token: a natural end can be biased to
         opener = len(e.target.tokenizer.encode(thinking.open, add_special_tokens=False))
@@ -265,9 +268,9 @@ def test_the_answer_may_hold_the_formats_markers_inside_a_json_string(models, fm
     note = f"{thinking.open} and {thinking.close}"
     schema = {"type": "object", "properties": {"note": {"const": note}}, "required": ["note"],
               "additionalProperties": False}
-    ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=4)
+    ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=4, optional=True)
     choice, direct = _choice_tokens(e, thinking)
-    # Reasoning first, then an answer straight away (towards the direct header's token where
+    # Reasoning first, then (where reasoning is optional) an answer straight away (towards the direct header's token where
     # it has one: the open marker's text could be spelled otherwise).
     for thought, bias in ((True, (choice, 16.0)),
                           (False, (choice, -100.0) if direct is None else (direct, 16.0))):
@@ -293,10 +296,14 @@ def test_protocols_are_read_from_rendered_text_not_template_source():
     assert find_protocol("no markers here") is None
 
 
-def test_an_always_thinking_template_is_refused_for_what_it_renders(tmp_path):
+def test_an_always_thinking_template_thinks_then_answers_unasked(tmp_path):
     """MiniMax's shape: the generation prompt always opens the think block; a comment names
-    enable_thinking, which the template does not read: the 400 says there is no switch."""
-    from specdec.chat import ReasoningConflictError
+    enable_thinking, which the template does not read. A constrained prompt alone cannot be
+    rendered (the error says there is no switch); a constrained request that does not ask
+    for thinking is served: it thinks, within the default thinking budget, then answers
+    under the constraint."""
+    from specdec.chat import TemplateThinksError
+    from specdec.request import GenerateRequest, Message
 
     template = ("{#- enable_thinking is not read by this template -#}"
                 "{%- for m in messages %}{{ ']~b]' + m.role + '\\n' + m.content + '[e~[\\n' }}"
@@ -304,10 +311,17 @@ def test_an_always_thinking_template_is_refused_for_what_it_renders(tmp_path):
                 "{%- endif %}")
     d = make_family("qwen3", tmp_path / "minimax", think=True, scale=1.0, template=template)
     e = Engine(load(str(d)), None)
-    with pytest.raises(ReasoningConflictError, match="has no switch"):
+    with pytest.raises(TemplateThinksError, match="has no switch"):
         e.chat_prompt(MESSAGES, constrained=True)
     _, thinking = e.chat_prompt_thinking(MESSAGES)  # asking for it works: the prompt opened it
     assert thinking.open is None and thinking.close == "</think>"
+    req = e.prepare(GenerateRequest(messages=(Message("user", MESSAGES[0]["content"]),),
+                                    constraint=Constraint.json_schema(SCHEMA), max_tokens=60))
+    assert req.thinking is not None and req.thinking.open is None
+    assert req.thinking.budget == min(e.defaults.max_thinking_tokens, 30)
+    got = e.generate(req)
+    assert got.reasoning is not None and "</think>" not in got.text
+    jsonschema.validate(json.loads(got.text), SCHEMA)
 
 
 def test_reasoning_effort_and_the_budget_reach_the_template(models):

@@ -318,12 +318,15 @@ def test_reasoning_template_with_switch_gives_json_without_think_block(
         assert isinstance(json.loads(msg.content), dict)
 
 
-def test_reasoning_template_without_switch_is_a_400(served_models):
+def test_reasoning_template_without_switch_thinks_then_answers(served_models):
     r1 = serve_app("--chat-template", str(TEMPLATES / "r1_style.jinja"), models=served_models)
     try:
-        with pytest.raises(openai.BadRequestError, match="no switch"):
-            r1.client().chat.completions.create(model="default", messages=MSG,
+        r = r1.client().chat.completions.create(model="default", messages=MSG, max_tokens=60,
+                                                temperature=0,
                                                 response_format={"type": "json_object"})
+        msg = r.choices[0].message
+        assert "reasoning_content" in msg.model_extra
+        assert isinstance(json.loads(msg.content), dict)
         r = r1.client().chat.completions.create(model="default", messages=MSG, max_tokens=3,
                                                 temperature=0)  # unconstrained is fine
         assert r.choices[0].finish_reason == "length"

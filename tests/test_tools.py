@@ -25,6 +25,7 @@ from llguidance import LLMatcher
 
 from specdec import blas
 from specdec.engine import Engine, RequestError
+from specdec.grammar import Constraint
 from specdec.models import load
 from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall
 from specdec.sampling import SamplingParams
@@ -343,6 +344,53 @@ def test_a_forced_call_after_thinking_closes_within_the_budget(cell_engines):
         c = want.tool_calls[0]
         tool = {"get_weather": WEATHER, "get_time": CLOCK}[c.name]
         jsonschema.validate(json.loads(c.arguments), dict(tool.parameters))
+
+
+def test_an_always_thinking_template_thinks_then_calls_in_its_own_format(cell_engines):
+    """DeepSeek-R1-Distill's shape (its generation prompt opens the reasoning; no switch):
+    the tool format is read from the template (its own call markup, not the generic one); a
+    forced call and a constrained answer that do not ask for thinking think within the
+    default thinking budget, then call or answer; plain equals the oracle, each proposer
+    and a batch equal plain; the call and its result render back in the template's own
+    blocks (a result is not a user turn)."""
+    assert blas.active() == "reference"
+    engines = cell_engines("r1_distill")
+    e = engines["none"]
+    fmt = e.tool_format()
+    assert fmt.source == "template" and "<｜tool▁calls▁begin｜>" in fmt.first, fmt
+    forced = GenerateRequest(messages=ASK, tools=(WEATHER, CLOCK), tool_choice="required",
+                             max_tokens=80)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    answer = GenerateRequest(messages=ASK, constraint=Constraint.json_schema(schema),
+                             max_tokens=60)
+    bad = []
+    for greq in (forced, answer):
+        for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_k=40, seed=5)):
+            r = dataclasses.replace(greq, sampling=sampling)
+            bad += check_cells(engines, r, "tools: cells vs plain (always thinking)",
+                               [GenerateRequest(messages=ASK, max_tokens=10),
+                                dataclasses.replace(forced, max_tokens=60)])
+    assert not bad, "\n".join(bad)
+    req = e.prepare(dataclasses.replace(forced, spec=None))
+    assert req.thinking is not None and req.thinking.open is None
+    assert req.thinking.budget == min(e.defaults.max_thinking_tokens, 40)
+    want = e.generate(req)
+    assert want.reasoning is not None and want.tool_calls, want
+    call = want.tool_calls[0]
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
+    jsonschema.validate(json.loads(call.arguments), dict(tool.parameters))
+    got = e.generate(e.prepare(dataclasses.replace(answer, spec=None)))
+    assert got.reasoning is not None
+    jsonschema.validate(json.loads(got.text), schema)
+    nxt = e.prepare(GenerateRequest(messages=ASK + (
+        Message("assistant", "", tool_calls=(call,)),
+        Message("tool", "sunny", tool_call_id=call.id, name=call.name)),
+        tools=(WEATHER, CLOCK), max_tokens=40))
+    prompt = e.decode_text(nxt.prompt_ids)
+    assert f"<｜tool▁sep｜>{call.name}\n```json\n" in prompt, prompt
+    assert "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>" in prompt
+    assert prompt.endswith("<｜tool▁outputs▁end｜><｜Assistant｜><think>\n"), prompt[-80:]
 
 
 def accepts(engine: Engine, grammar: str, text: str) -> bool:
