@@ -612,9 +612,10 @@ def closed(schema: Any) -> Any:
     """A tool's parameter schema with every object that does not say `additionalProperties`
     admitting only the properties it names (xgrammar's default for tools in vLLM and
     SGLang): a model cannot add a property the tool never named, nor grow a free object
-    until the budget ends. `additionalProperties: true` or a schema keeps an object open;
-    the branches of an `allOf` are left as they are (closing each would refuse the others'
-    properties)."""
+    until the budget ends. A name the object requires without describing it is one it names
+    (any value): closing must not refuse what the tool requires. `additionalProperties:
+    true` or a schema keeps an object open; the branches of an `allOf` are left as they are
+    (closing each would refuse the others' properties)."""
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
@@ -633,6 +634,11 @@ def closed(schema: Any) -> Any:
     if is_object and "additionalProperties" not in out and "allOf" not in out \
             and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
+        named, required = out.get("properties", {}), out.get("required")
+        if isinstance(named, Mapping) and isinstance(required, list):
+            missing = [k for k in required if isinstance(k, str) and k not in named]
+            if missing:
+                out["properties"] = {**named, **{k: {} for k in missing}}
     return out
 
 

@@ -446,6 +446,27 @@ def test_bad_tool_requests_are_a_400_naming_the_field(tool_engine, greq, param):
     assert err.value.param == param
 
 
+@pytest.mark.parametrize("key", ["hermes", "qwen3_coder", "generic"])
+def test_closed_arguments_admit_the_names_an_object_requires_without_describing(tool_engine,
+                                                                              key):
+    # As real definitions write it (BFCL's waste_calculation): closing the object to its
+    # `properties` alone made it unsatisfiable, a 400.
+    waste = Tool("waste", None, {"type": "object", "required": ["population", "year"],
+                                 "properties": {"population": {"type": "object",
+                                                               "required": ["adults", "kids"]},
+                                                "year": {"type": "integer"}}})
+    e = tool_engine(key)
+    fmt = e.tool_format()
+    req = e.prepare(GenerateRequest(messages=ASK, tools=(waste,), tool_choice="required",
+                                    max_tokens=8, close_at_budget=False))
+
+    def accepted(args: str) -> bool:
+        m, tokens = req.grammar.matcher(), e.encode(fmt.write([(IDS[0], "waste", args)], ""))
+        return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
+    assert accepted('{"population": {"adults": 2, "kids": [1]}, "year": 2024}')
+    assert not accepted('{"population": {"adults": 2, "kids": 1, "pets": 1}, "year": 2024}')
+
+
 def test_a_response_format_with_refs_and_json_calls_compile_together(tool_engine):
     from specdec.grammar import Constraint
 
