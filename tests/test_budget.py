@@ -16,6 +16,7 @@ budget is at least its constraint's minimum is complete and valid when the budge
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -193,7 +194,7 @@ def _oracle(engine: Engine, req) -> tuple[tuple[int, ...], str]:
                            eos_token_ids=t.eos_token_ids, max_tokens=req.max_tokens,
                            matcher=engine.compiled(req).matcher(),
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                           seed=s.seed or 0,
+                           seed=s.seed or 0, logit_bias=s.logit_bias,
                            budget=BudgetOracle.of(engine.compiler.tokenizer, t.vocab_size,
                                                   t.eos_token_ids, req.max_tokens,
                                                   req.closing.hints))
@@ -237,6 +238,42 @@ def test_a_forced_call_with_a_small_budget_is_made_in_every_tool_format(tool_eng
         tally.record("budget: tool formats, spec vs plain", got.tokens == want.tokens)
         assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason), fmt
     assert steered > 0 or ends == {"tool_calls"}, f"{fmt}: neither steered nor ended"
+
+
+@REFERENCE
+@pytest.mark.parametrize("fmt", TOOL_FORMAT_NAMES)
+def test_auto_with_a_small_budget_calls_completely_or_answers_in_every_tool_format(
+        tool_engines, fmt):
+    """tool_choice "auto", the call markup pushed, budgets around a forced call's minimum:
+    each call made is complete and valid, no call markup reaches the text, plain equals the
+    oracle and speculation equals plain."""
+    from tests.test_tools import marker_bias
+
+    e = tool_engines(fmt)
+    schemas = {t.name: t.parameters for t in OPEN_TOOLS}
+    forced, auto = (e.prepare(GenerateRequest(messages=ASK, tools=OPEN_TOOLS, max_tokens=400,
+                                              tool_choice=choice, spec=None)).closing.minimum
+                     for choice in ("required", "auto"))
+    budgets = (max(auto, forced - 2), max(auto, forced), max(auto, forced) + 4)
+    calls = 0
+    for budget, params in zip(budgets, (SamplingParams(), SamplingParams(1.0, seed=3),
+                                        SamplingParams())):
+        params = dataclasses.replace(params, logit_bias=marker_bias(e, 100.0))
+        greq = GenerateRequest(messages=ASK, tools=OPEN_TOOLS, max_tokens=budget,
+                               spec=None, sampling=params)
+        req = e.prepare(greq)
+        want = e.generate(req)
+        calls += len(want.tool_calls)
+        for call in want.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        assert e.tool_format().marker not in want.text, (fmt, budget, want.text)
+        same = _oracle(e, req)[0] == want.tokens
+        tally.record("budget: tool formats auto, plain vs oracle", same)
+        assert same, (fmt, budget)
+        got = e.generate(e.prepare(dataclasses.replace(greq, spec={"k": 4})))
+        tally.record("budget: tool formats auto, spec vs plain", got.tokens == want.tokens)
+        assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason), fmt
+    assert calls > 0, f"{fmt}: the pushed markup never gave a call"
 
 
 # -- the embedded model through every API ---------------------------------------------------
