@@ -1,4 +1,4 @@
-"""The FastAPI app: three APIs over one engine door.
+"""The FastAPI app: three APIs over one door to the served models.
 
 OpenAI Chat Completions and Completions (`chat`), OpenAI Responses (`responses`) and
 Anthropic Messages (`messages`) are thin modules over `door.Door`; this module adds what is
@@ -28,6 +28,7 @@ from specdec.errors import InternalError, SpecdecError
 from . import chat, messages, responses
 from .door import Door, ServeConfig
 from .errors import WireError, bad_request, ref_of
+from .fleet import Fleet
 from .metrics import Metrics
 from .openapi import Health, ModelList, error_responses, openapi
 
@@ -40,9 +41,9 @@ def api_of(path: str) -> Any:
     return next((m for m in APIS if path.startswith(m.PREFIX)), chat)
 
 
-def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
-    """The ASGI app serving `engine` (its scheduler started with `config`'s batch, queue and
-    time limits)."""
+def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> FastAPI:
+    """The ASGI app serving an engine, or several models by name (`fleet.Fleet`): each
+    engine's scheduler started with `config`'s batch, queue and time limits."""
     def lost(e: Exception) -> None:
         """A sharded target lost a rank: the requests have failed; exit non-zero once their
         error responses are out (a follower exits too; the launcher reports it)."""
@@ -52,11 +53,16 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
         threading.Timer(2.0, os._exit, (EXIT_LOST_RANK,)).start()
 
     ch = config.channel
-    engine.start(max_batch=config.max_batch, max_queue=config.max_queue,
-                 request_timeout_s=config.request_timeout_s,
-                 publish=ch.publish if ch is not None else None, on_fatal=lost)
+    fleet = served if isinstance(served, Fleet) else Fleet.single(served)
+    fleet.start(lambda engine: engine.start(
+        max_batch=config.max_batch, max_queue=config.max_queue,
+        request_timeout_s=config.request_timeout_s,
+        publish=ch.publish if ch is not None else None, on_fatal=lost))
     metrics = Metrics()
-    door = Door(engine, config, metrics)
+    door = Door(fleet, config, metrics)
+
+    def statuses() -> list[Any]:
+        return [s.engine.status() for s in fleet.seats if s.engine is not None]
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -65,7 +71,8 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     bodies = {p: m for api in APIS for p, m in api.REQUEST_BODIES.items()}
-    app.openapi = lambda: openapi(app, bodies, engine.target.vocab_size)  # type: ignore
+    app.openapi = lambda: openapi(  # type: ignore
+        app, bodies, door.engine.target.vocab_size if len(fleet.seats) == 1 else None)
     app.state.door, app.state.metrics = door, metrics
 
     @app.exception_handler(SpecdecError)
@@ -95,27 +102,47 @@ def create_app(engine: Engine, config: ServeConfig = ServeConfig()) -> FastAPI:
 
     @app.get("/health", response_model=Health)
     async def health() -> Any:
-        st = engine.status()
-        if not st.alive:  # not ready: a balancer sends no more here
+        sts = statuses()
+        depth = sum(st.queue_depth for st in sts)
+        if not all(st.alive for st in sts):  # not ready: a balancer sends no more here
             return JSONResponse({"status": "stopping", "model": door.model_name,
-                                 "queue_depth": st.queue_depth}, status_code=503)
-        return {"status": "ok", "model": door.model_name, "queue_depth": st.queue_depth}
+                                 "queue_depth": depth}, status_code=503)
+        return {"status": "ok", "model": door.model_name, "queue_depth": depth}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def prom() -> PlainTextResponse:
-        st = engine.status()
-        return PlainTextResponse(metrics.render(st.queue_depth, st.stats, st.active,
-                                                ch.collective_s if ch is not None else None),
-                                 media_type="text/plain; version=0.0.4")
+        sts = statuses()
+        text = metrics.render(sum(st.queue_depth for st in sts),
+                              sts[0].stats if len(fleet.seats) == 1 else None,
+                              sum(st.active for st in sts),
+                              ch.collective_s if ch is not None else None)
+        if len(fleet.seats) > 1:
+            text += model_metrics(fleet)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": door.model_name, "object": "model",
-                                            "created": 0, "owned_by": "specdec"}]}
+        return {"object": "list", "data": [
+            {"id": s.name, "object": "model", "created": 0, "owned_by": "specdec",
+             "aliases": list(s.spec.aliases), **s.card, "loaded": s.engine is not None,
+             "pinned": s.spec.pinned} for s in fleet.seats]}
 
     for api in APIS:
         app.include_router(api.router(door))
     return app
+
+
+def model_metrics(fleet: Fleet) -> str:
+    """Prometheus lines per served model: loaded or not, loads, unloads, load seconds."""
+    lines = []
+    for name, kind, value in (
+            ("model_loaded", "gauge", lambda s: int(s.engine is not None)),
+            ("model_loads_total", "counter", lambda s: s.loads),
+            ("model_evictions_total", "counter", lambda s: s.evictions),
+            ("model_load_seconds_total", "counter", lambda s: s.load_s)):
+        lines.append(f"# TYPE specdec_{name} {kind}")
+        lines += [f'specdec_{name}{{model="{s.name}"}} {value(s):g}' for s in fleet.seats]
+    return "\n".join(lines) + "\n"
 
 
 def _protected(path: str) -> bool:
@@ -182,8 +209,8 @@ def _watchdog(server: Any, engine: Engine) -> None:
             return
 
 
-def serve(engine: Engine, config: ServeConfig = ServeConfig()) -> None:
-    """Serve an engine until interrupted."""
+def serve(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> None:
+    """Serve an engine, or several models by name, until interrupted."""
     import signal
 
     import uvicorn
@@ -191,13 +218,21 @@ def serve(engine: Engine, config: ServeConfig = ServeConfig()) -> None:
     from specdec import blas
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(engine, config)
-    draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward else "")
-             if engine.draft is None else
-             "self" if engine.draft is engine.target else engine.draft.name)
-    log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, max batch %d, BLAS: %s)",
-             engine.target.name, config.host, config.port, draft, engine.default_spec.k,
-             config.max_batch, blas.active())
+    app = create_app(served, config)
+    engine = app.state.door.engine
+    if isinstance(served, Fleet):
+        log.info("serving %s at http://%s:%d/v1 (default %r; at most %s loaded; max batch %d "
+                 "each, BLAS: %s)", ", ".join(repr(s.name) for s in served.seats),
+                 config.host, config.port, served.default.name,
+                 served.max_loaded or "all", config.max_batch, blas.active())
+    else:
+        draft = ("none" + (" (jump-forward on constrained requests)" if engine.jump_forward
+                           else "")
+                 if engine.draft is None else
+                 "self" if engine.draft is engine.target else engine.draft.name)
+        log.info("serving %s at http://%s:%d/v1 (draft: %s, k=%d, max batch %d, BLAS: %s)",
+                 engine.target.name, config.host, config.port, draft, engine.default_spec.k,
+                 config.max_batch, blas.active())
     if config.channel is not None:
         log.info("target sharded over %d ranks (mlx.launch); this is rank 0 (pid %d)",
                  config.channel.group.size(), os.getpid())
@@ -214,4 +249,4 @@ def serve(engine: Engine, config: ServeConfig = ServeConfig()) -> None:
     try:
         server.run()
     finally:
-        engine.close(wait_s=10)
+        app.state.door.fleet.close()

@@ -253,8 +253,7 @@ def router(door: Door) -> APIRouter:
 
 async def _serve(door: Door, http: Request, body: Body, greq: GenerateRequest) -> Any:
     chat = isinstance(body, ChatCompletionRequest)
-    door.check_model(body.model)
-    run = await door.open(greq, http)
+    run = await door.open(greq, http, door.route(body.model))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     headers = warning_header(run.request.warnings)
     if body.stream:
@@ -268,7 +267,7 @@ async def _serve(door: Door, http: Request, body: Body, greq: GenerateRequest) -
         return JSONResponse({"error": None}, status_code=499)
     choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
     if run.request.logprobs is not None:
-        choice["logprobs"] = logprobs_of(door, ev.logprobs, chat)
+        choice["logprobs"] = logprobs_of(run, ev.logprobs, chat)
     if chat:
         msg: dict[str, Any] = {"role": "assistant",
                                "content": (ev.text or None) if ev.tool_calls else ev.text}
@@ -283,7 +282,7 @@ async def _serve(door: Door, http: Request, body: Body, greq: GenerateRequest) -
         choice["text"] = ev.text
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion",
-        "created": run.created, "model": door.model_name, "choices": [choice],
+        "created": run.created, "model": run.model, "choices": [choice],
         "usage": usage_of(ev), "specdec": extension(run, ev.stats, ev.warnings)},
         headers=headers)
 
@@ -298,10 +297,10 @@ def usage_of(ev: Finished) -> dict[str, Any]:
     return out
 
 
-def logprobs_of(door: Door, lps: Sequence[TokenLogprob], chat: bool) -> dict[str, Any]:
+def logprobs_of(run: Run, lps: Sequence[TokenLogprob], chat: bool) -> dict[str, Any]:
     """OpenAI's `logprobs` object: chat's `content` list (token text, logprob, UTF-8 bytes,
     top_logprobs), or completions' parallel lists."""
-    tokenizer = door.engine.target.tokenizer
+    tokenizer = run.engine.target.tokenizer
 
     def text(t: int) -> str:
         return str(tokenizer.decode([t], skip_special_tokens=False))
@@ -328,14 +327,14 @@ async def _chunks(door: Door, run: Run, body: Body, rid: str, chat: bool
 
     def chunk(delta: dict[str, Any] | None, finish: str | None = None,
               lps: Sequence[TokenLogprob] = ()) -> str:
-        lp = logprobs_of(door, lps, chat) if want_lp and lps else None
+        lp = logprobs_of(run, lps, chat) if want_lp and lps else None
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": lp}
         if chat:
             choice["delta"] = delta or {}
         else:
             choice["text"] = (delta or {}).get("content", "")
         return sse(None, {"id": rid, "object": obj, "created": run.created,
-                          "model": door.model_name, "choices": [choice]})
+                          "model": run.model, "choices": [choice]})
 
     if chat:
         yield chunk({"role": "assistant", "content": ""})
@@ -358,7 +357,7 @@ async def _chunks(door: Door, run: Run, body: Body, rid: str, chat: bool
             yield chunk(None, ev.finish_reason)
             if include_usage(body):
                 yield sse(None, {"id": rid, "object": obj, "created": run.created,
-                                 "model": door.model_name, "choices": [],
+                                 "model": run.model, "choices": [],
                                  "usage": usage_of(ev),
                                  "specdec": extension(run, ev.stats, ev.warnings)})
     if not run.left:

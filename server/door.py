@@ -17,6 +17,7 @@ thread of its own, so one client's body never stalls the event loop's other stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ from specdec.events import Event, Failed, Finished, GenerationStats, RequestStre
 from specdec.request import GenerateRequest, Request, SpecOverrides
 
 from .errors import WireError, bad_request, ref_of
+from .fleet import Fleet, Seat
 from .metrics import Metrics
 
 M = TypeVar("M", bound=BaseModel)
@@ -281,26 +283,48 @@ def text_shrink(hf_tokenizer: Any) -> float | None:
 
 
 class Door:
-    """The engine as the API modules see it."""
+    """The served models as the API modules see them: a request names its model
+    (`route`), which `open` leases (loading it on first use) for the request's life."""
 
-    def __init__(self, engine: Engine, config: ServeConfig, metrics: Metrics) -> None:
-        self.engine, self.config, self.metrics = engine, config, metrics
-        self.model_name = engine.target.name
+    def __init__(self, fleet: Fleet, config: ServeConfig, metrics: Metrics) -> None:
+        self.fleet, self.config, self.metrics = fleet, config, metrics
         waiting = max(config.max_queue, 1)
         self.prepares = Bounded(PREPARE_WORKERS, waiting, "specdec-prepare", "prepared")
         self.parses = Bounded(PARSE_WORKERS, waiting, "specdec-parse", "read")
-        self.bound = PromptBound.of(engine)
 
-    def check_model(self, model: str | None, param: str = "model") -> None:
-        if model not in (None, self.model_name, "default"):
-            raise WireError(404, f"model {model!r} does not exist; this server serves "
-                                 f"{self.model_name!r}", param=param, code="model_not_found")
+    @property
+    def engine(self) -> Engine:
+        """The default model's engine (None while it is not loaded)."""
+        return self.fleet.default.engine  # type: ignore[no-any-return]
 
-    def admit(self) -> None:
-        """Raise what submitting would raise now for want of room (a 503: the queue is
-        full, or the engine stopped), before any work on the request."""
+    @property
+    def model_name(self) -> str:
+        return self.fleet.default.name
+
+    @property
+    def bound(self) -> "PromptBound | None":
+        """The default model's prompt bound (None while it is not loaded)."""
+        return self.fleet.default.bound  # type: ignore[no-any-return]
+
+    def route(self, model: str | None, param: str = "model") -> Seat:
+        """The model a request names (a name or an alias; None or "default": the default).
+
+        Raises:
+            WireError: 404 naming the models this server serves.
+        """
+        return self.fleet.route(model, param)
+
+    def admit(self, seat: Seat | None = None) -> None:
+        """Raise what submitting to `seat`'s engine would raise now for want of room (a 503:
+        the queue is full, or the engine stopped), before any work on the request. Before
+        the body names a model (`seat` None), a server of one model checks that one; a server
+        of several checks once the model is known."""
+        if seat is None and len(self.fleet.seats) == 1:
+            seat = self.fleet.seats[0]
+        if seat is None or seat.engine is None:
+            return
         try:
-            self.engine.check_room()
+            seat.engine.check_room()
         except SpecdecError as e:
             if e.code == "queue_full":
                 self.metrics.add(requests_rejected_total=1)
@@ -360,8 +384,11 @@ class Door:
             raise bad_request(f"{at or 'request body'}: a string holds an unpaired UTF-16 "
                               "surrogate escape (\\ud800-\\udfff): it is not Unicode text",
                               at or None)
-        # What a model may check before reading a long list's items (token ids' count).
-        limits = {"context_length": self.bound.context} if self.bound is not None else {}
+        # What a model may check before reading a long list's items (token ids' count): the
+        # named model's context, when it is loaded.
+        seat = self.fleet.loaded(body.get("model"))
+        bound = seat.bound if seat is not None else None
+        limits = {"context_length": bound.context} if bound is not None else {}
         try:
             return model.model_validate(body, context=limits)
         except ValidationError as e:
@@ -374,16 +401,25 @@ class Door:
             raise bad_request(f"{path}: {err['msg']}" if path else err["msg"],
                               path or None, code) from None
 
-    async def prepare(self, greq: GenerateRequest) -> Request:
-        """Check the cheap limits, then render, validate and compile the request in the
-        bounded pool (within the compile time limit).
+    async def prepare(self, greq: GenerateRequest, seat: Seat) -> Request:
+        """Check the cheap limits, then render, validate and compile the request for
+        `seat`'s model (loaded, leased) in the bounded pool (within the compile time limit).
 
         Raises:
             SpecdecError: the request is invalid (400s); the pool is full (503).
         """
-        if self.bound is not None:
-            self.bound.check(greq)
-        return await self._run(self.prepares, self.engine.prepare, greq)
+        if seat.bound is not None:
+            seat.bound.check(greq)
+        return await self._run(self.prepares, seat.engine.prepare, greq)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, seat: Seat) -> AsyncIterator[Engine]:
+        """`seat`'s engine, loaded and leased for the block (no work is queued on it)."""
+        engine = await self.fleet.acquire(seat, self.config.request_timeout_s)
+        try:
+            yield engine
+        finally:
+            self.fleet.release(seat)
 
     async def _run(self, pool: Bounded, fn: Callable[..., R], *args: Any) -> R:
         try:
@@ -392,26 +428,33 @@ class Door:
             self.metrics.add(requests_rejected_total=1)
             raise
 
-    async def open(self, greq: GenerateRequest, http: HTTPRequest) -> "Run":
-        """Admit, prepare and submit a request.
+    async def open(self, greq: GenerateRequest, http: HTTPRequest, seat: Seat) -> "Run":
+        """Lease `seat`'s model (loading it first if need be), admit, prepare and submit a
+        request; the lease ends with the run (`Run.close`).
 
         Raises:
-            SpecdecError: the request is invalid (400s), or the server is full (503).
+            SpecdecError: the request is invalid (400s), the server is full or the model
+                cannot load (503).
         """
-        self.admit()
-        req = await self.prepare(greq)
-        self.metrics.add(requests_total=1,
-                         requests_constrained_total=int(req.constraint is not None))
+        engine = await self.fleet.acquire(seat, self.config.request_timeout_s)
         try:
-            stream = self.engine.submit(req, RequestStream().bind(asyncio.get_running_loop()))
-        except SpecdecError as e:
-            if e.code == "queue_full":
-                self.metrics.add(requests_rejected_total=1)
+            self.admit(seat)
+            req = await self.prepare(greq, seat)
+            self.metrics.add(requests_total=1,
+                             requests_constrained_total=int(req.constraint is not None))
+            try:
+                stream = engine.submit(req, RequestStream().bind(asyncio.get_running_loop()))
+            except SpecdecError as e:
+                if e.code == "queue_full":
+                    self.metrics.add(requests_rejected_total=1)
+                raise
+        except BaseException:
+            self.fleet.release(seat)
             raise
-        return Run(self, req, stream, http)
+        return Run(self, req, stream, http, seat, engine)
 
     def close(self) -> None:
-        self.engine.close()
+        self.fleet.close()
         self.prepares.close()
         self.parses.close()
 
@@ -424,8 +467,23 @@ class Run:
     request: Request
     stream: RequestStream
     http: HTTPRequest
+    seat: Seat
+    engine: Engine
     created: int = field(default_factory=lambda: int(time.time()))
     left: bool = False  # the client went away before the end
+    closed: bool = False
+
+    @property
+    def model(self) -> str:
+        """The name of the model that serves it (what responses report)."""
+        return self.seat.name
+
+    def close(self) -> None:
+        """Stop the request if it still runs and end its lease on the model (once)."""
+        self.stream.cancel()
+        if not self.closed:
+            self.closed = True
+            self.door.fleet.release(self.seat)
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events. A client that goes away is noticed within ~0.5 s, while
@@ -451,7 +509,7 @@ class Run:
                 if isinstance(ev, (Finished, Failed)):
                     return
         finally:
-            self.stream.cancel()  # a no-op when done; stops the engine when the client left
+            self.close()  # stops the engine when the client left
 
 
 LOG_LIMIT = 300  # characters of a request's constraint, grammar or parser state in a log line
@@ -513,7 +571,7 @@ class RunResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.run.stream.cancel()
+            self.run.close()
 
 
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # in pairs, one character

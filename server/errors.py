@@ -61,7 +61,7 @@ def wire_param(e: SpecdecError, params: Mapping[str, str]) -> str | None:
 def headers_of(e: SpecdecError) -> dict[str, str]:
     if isinstance(e, WireError):
         return e.headers
-    return {"Retry-After": str(RETRY_AFTER_S)} if e.code == "queue_full" else {}
+    return {"Retry-After": str(RETRY_AFTER_S)} if e.code in ("queue_full", "models_busy") else {}
 
 
 def ref_of(e: BaseException) -> str:

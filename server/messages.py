@@ -302,7 +302,7 @@ def message(msg_id: str, run: Run, content: list[dict[str, Any]],
     """The Message object (`done` None: the stream's opening one, empty and unfinished)."""
     reason, seq = stop_of(done) if done else (None, None)
     body: dict[str, Any] = {
-        "id": msg_id, "type": "message", "role": "assistant", "model": run.door.model_name,
+        "id": msg_id, "type": "message", "role": "assistant", "model": run.model,
         "content": content, "stop_reason": reason, "stop_sequence": seq,
         "usage": usage(done) if done else {"input_tokens": len(run.request.prompt_ids),
                                            "output_tokens": 0}}
@@ -352,9 +352,9 @@ def router(door: Door) -> APIRouter:
     @r.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: HTTPRequest) -> Response:
         body = await door.parse(http, MessagesBody)
-        door.check_model(body.model)  # (a model we do not serve first, as before)
+        seat = door.route(body.model)  # (a model we do not serve first, as before)
         greq = to_request(body)
-        run = await door.open(greq, http)
+        run = await door.open(greq, http, seat)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         blocks = Blocks(omit_thinking=body.thinking is not None
                         and body.thinking.display == "omitted")
@@ -374,9 +374,10 @@ def router(door: Door) -> APIRouter:
     @r.post(PREFIX + "/count_tokens", responses={c: _ERROR for c in (400, 401, 404, 413)})
     async def count_tokens(http: HTTPRequest) -> dict[str, int]:
         body = await door.parse(http, CountTokensBody, admit=False)  # nothing is queued
-        door.check_model(body.model)
+        seat = door.route(body.model)
         greq = prompt_request(body)
-        req = await door.prepare(greq)
+        async with door.lease(seat):
+            req = await door.prepare(greq, seat)
         return {"input_tokens": len(req.prompt_ids)}
 
     return r

@@ -27,10 +27,19 @@ class Health(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, with what this server knows of the model (`fleet.card_of`)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    aliases: list[str] = []
+    family: str | None = None
+    quantization: str | None = None
+    context_length: int | None = None
+    draft: str | None = None
+    loaded: bool = True
+    pinned: bool = False
 
 
 class ModelList(BaseModel):

@@ -280,10 +280,10 @@ def router(door: Door) -> APIRouter:
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: Request) -> Any:
         body = await door.parse(http, ResponsesRequest)
-        door.check_model(body.model)  # (a model we do not serve first, as before)
+        seat = door.route(body.model)  # (a model we do not serve first, as before)
         greq = to_request(body)
-        run = await door.open(greq, http)
-        w = Writer(head(body, run, door.model_name), run)
+        run = await door.open(greq, http, seat)
+        w = Writer(head(body, run, run.model), run)
         headers = warning_header(run.request.warnings)
         if body.stream:
             return RunResponse(run, _stream(w), headers)

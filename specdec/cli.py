@@ -91,7 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="-- then the specdec command, e.g. -- serve --model DIR")
 
     s = sub.add_parser("serve", help="OpenAI-compatible server")
-    _add_model_args(s)
+    s.add_argument("--model", action="append", default=[], metavar="[NAME=]MODEL",
+                   help="a model to serve (repeatable: several are served by name, each "
+                        "loaded on its first request): 'default' (embedded SmolLM2-135M-"
+                        "Instruct, served when no model is given), a local mlx-lm directory "
+                        "or a Hugging Face repo id already in the local cache; NAME= names "
+                        "it (default: its directory's name)")
+    s.add_argument("--models-file", action="append", default=[], metavar="FILE",
+                   help="models to serve, from a TOML or JSON file (path, aliases, draft, "
+                        "chat_template, reasoning_format, max_kv_tokens, pinned, ttl; see "
+                        "README)")
+    s.add_argument("--default-model", default=None, metavar="NAME",
+                   help="what model \"default\" and a request naming no model mean "
+                        "(default: the file's 'default', else the first model)")
+    s.add_argument("--max-loaded", type=int, default=None, metavar="N",
+                   help="most models loaded at once; the least recently used idle one is "
+                        "unloaded to make room, never a pinned one (default: no limit)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
@@ -428,21 +443,51 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
                       for k, v in given.items() if v is not None})
 
 
+def serve_target(args: argparse.Namespace, shard_group: Any = None) -> Any:
+    """What `specdec serve` serves: the Engine of its one model (loaded now, the target
+    sharded over `shard_group` when given), or a `server.fleet.Fleet` of several by name,
+    each loaded on its first request.
+
+    Raises:
+        ModelConfigError: the models' configuration is invalid (nothing is loaded).
+    """
+    from server.fleet import Fleet
+
+    from .catalog import build
+    from .engine import Engine
+    from .errors import ModelConfigError
+
+    cat = build(args.model, args.models_file, args.default_model, engine_config(args))
+    if args.max_loaded is not None and args.max_loaded < 1:
+        raise ModelConfigError(f"--max-loaded {args.max_loaded}: at least 1")
+    if len(cat.models) == 1:
+        spec = cat.models[0]
+        engine = Engine.load(spec.path, spec.config, shard_group=shard_group)
+        if spec.name == engine.target.name and not spec.aliases and not args.models_file:
+            return engine
+        return Fleet(cat, lambda m: Engine.load(m.path, m.config), loaded={spec.name: engine})
+    if shard_group is not None:
+        raise ModelConfigError("a sharded target (specdec launch) serves one model")
+    return Fleet(cat, lambda m: Engine.load(m.path, m.config), args.max_loaded)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.app import serve  # the launcher lives with the server
 
     from . import distributed
+    from .engine import Engine
 
     g = distributed.group()  # started by mlx.launch: the target is sharded over the ranks
-    engine = build_engine(args.model, args, shard_group=g)
+    served = serve_target(args, shard_group=g)
     channel = distributed.Channel(g) if g is not None else None
     config = serve_config(args, channel)
     if channel is not None and channel.rank != 0:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        engine = served if isinstance(served, Engine) else served.default.engine
         return distributed.follow(engine, channel, config.max_batch)
-    serve(engine, config)
+    serve(served, config)
     return 0
 
 

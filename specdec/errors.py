@@ -87,6 +87,28 @@ class ConversionError(SpecdecError, ValueError):
     code, param = "unsupported_model", "model"
 
 
+class ModelConfigError(SpecdecError, ValueError):
+    """The served models' configuration is invalid (a models file's field, a duplicate name
+    or alias, a missing path, a draft that cannot serve its target); the server does not
+    start."""
+
+    code, param = "invalid_model_config", "model"
+
+
+class ModelLoadError(UnavailableError):
+    """A served model failed to load on demand; the message names the model and the cause
+    (the server keeps serving the others, and the next request tries again)."""
+
+    code, param = "model_load_failed", "model"
+
+
+class ModelsBusy(UnavailableError):
+    """Every loaded model is in use or pinned, so none can make room for another; retry
+    later."""
+
+    code = "models_busy"
+
+
 # -- a request's settings --------------------------------------------------------------------
 class SamplingError(RequestError):
     """A sampling parameter outside its valid range; the message names value and range.

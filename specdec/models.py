@@ -132,6 +132,13 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
         "Hugging Face repo id in the local cache; models are never downloaded at run time")
 
 
+def served_name(model: str | os.PathLike[str] | None, path: Path) -> str:
+    """The name a model is served under when none is given: the embedded model's and its
+    draft's own names, else its directory's."""
+    names = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", DEFAULT_DRAFT: DEFAULT_DRAFT_NAME}
+    return names.get(str(model) if model is not None else DEFAULT_MODEL, path.name)
+
+
 def _hf_cached(repo_id: str) -> Path | None:
     """The snapshot directory of `repo_id` in the local Hugging Face cache, if it holds one
     with a config.json."""
@@ -278,8 +285,7 @@ def load(model: str | os.PathLike[str] | None = DEFAULT_MODEL,
     eos_ids.update(int(i) for i in getattr(wrapper, "eos_token_ids", None) or ())
     if hf_tok.eos_token_id is not None:
         eos_ids.add(int(hf_tok.eos_token_id))
-    names = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", DEFAULT_DRAFT: DEFAULT_DRAFT_NAME}
-    name = names.get(str(model) if model is not None else DEFAULT_MODEL, path.name)
+    name = served_name(model, path)
     return LoadedModel(model=module, tokenizer=hf_tok, path=path, name=name,
                        eos_token_ids=tuple(sorted(int(i) for i in eos_ids)),
                        vocab_size=vocab_size, config=config)

@@ -85,7 +85,8 @@ class InProcess:
     The transport hands a response over whole: a client leaving mid-stream needs `Server`.
 
     Args:
-        app: the ASGI app. engine: closed by `stop()` (its scheduler thread stops).
+        app: the ASGI app. engine: closed by `stop()` (its scheduler thread stops; a
+            `Fleet`: every loaded model's).
     """
 
     url = "http://test"
@@ -145,8 +146,9 @@ def serve_app(*args: str, models: dict[str, object] | None = None) -> InProcess:
         return loaded[name] if name in loaded else load(name, **kw)  # type: ignore[arg-type]
 
     with mock.patch.object(specdec_models, "load", reuse):
-        engine = cli.build_engine(ns.model, ns)
-    return InProcess(create_app(engine, cli.serve_config(ns)), engine)
+        served = cli.serve_target(ns)
+    app = create_app(served, cli.serve_config(ns))
+    return InProcess(app, app.state.door.fleet)
 
 
 def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict:

@@ -27,7 +27,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"speculative", "events", "output", "core"}),  # the decode core
     frozenset({"scheduler", "distributed"}),  # rounds over requests, and replicas of them
     frozenset({"prepare", "engine"}),  # the door: preparation, models and the scheduler
-    frozenset({"cli", "distill", "__main__", "__init__"}),  # entry points
+    frozenset({"cli", "catalog", "distill", "__main__", "__init__"}),  # entry points
 )
 
 

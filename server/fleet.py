@@ -1,0 +1,282 @@
+"""The models a server serves, by name: each loaded on its first request, at most
+`max_loaded` resident, the least recently used idle one unloaded to make room, an idle one
+unloaded past its TTL, a pinned one never.
+
+Each loaded model is an `Engine` of its own: its tokenizer, grammar compiler, chat template,
+reasoning and tool formats, draft, KV budget and scheduler thread. One scheduler per model,
+not one for all: a round decodes one model's forward over its batch, so a shared scheduler
+would interleave rounds of different models anyway, and separate ones need no change to
+the scheduler, keep a request's tokens independent of the other models' requests (each
+batch holds one model's requests only), and let two models decode at the same time.
+
+A request holds a lease on its model from routing to its last event (`Door.open`,
+`Run.close`): a model with a lease, or with requests in its scheduler, is busy and never
+unloaded. Loads run one at a time on a thread of their own; concurrent first requests for a
+model wait on its one load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.catalog import DEFAULT_NAME, Catalog, ModelSpec
+from specdec.errors import ModelLoadError, ModelsBusy, SpecdecError
+
+from .errors import WireError
+
+log = logging.getLogger("specdec.server")
+REAP_EVERY_S = 1.0  # how often idle models are checked against their TTL
+
+
+@dataclass(eq=False)
+class Seat:
+    """A served model: its spec, what `/v1/models` says of it, and its engine while loaded.
+
+    Attributes:
+        card: family, quantization, context length (from its config.json, unloaded too).
+        leases: requests routed to it and not yet ended. last_used: when the last one
+            began or ended (`time.monotonic`). loads, evictions, load_s: its history.
+    """
+
+    spec: ModelSpec
+    card: dict[str, Any]
+    engine: Any = None
+    bound: Any = None  # `door.PromptBound` of the loaded engine
+    loading: Future[Any] | None = None
+    leases: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    loads: int = 0
+    evictions: int = 0
+    load_s: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def card_of(config: dict[str, Any]) -> dict[str, Any]:
+    """What a model's config.json says of it for `/v1/models`."""
+    q = config.get("quantization") or config.get("quantization_config")
+    return {"family": config.get("model_type"),
+            "quantization": (f"{q['bits']}-bit" if isinstance(q, dict) and "bits" in q
+                             else None),
+            "context_length": int(config.get("max_position_embeddings") or 2048)}
+
+
+class Fleet:
+    """The served models (`Seat`s) and their loading and unloading.
+
+    Args:
+        catalog: the models by name. loader: a spec's engine (loaded, not started).
+        max_loaded: most models resident at once (None: no limit).
+        loaded: engines already loaded, by model name (a single-model server's).
+    """
+
+    def __init__(self, catalog: Catalog, loader: Callable[[ModelSpec], Any],
+                 max_loaded: int | None = None, loaded: dict[str, Any] | None = None
+                 ) -> None:
+        from specdec.models import resolve_model_path
+
+        from .door import PromptBound
+
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"--max-loaded {max_loaded}: at least 1")
+        self.catalog, self.loader, self.max_loaded = catalog, loader, max_loaded
+        loaded = loaded or {}
+        self.seats = []
+        for spec in catalog.models:
+            engine = loaded.get(spec.name)
+            config = (getattr(engine.target, "config", None) or {} if engine is not None
+                      else json.loads(
+                (resolve_model_path(spec.path) / "config.json").read_text()))
+            card = card_of(config)
+            if engine is not None:
+                d = engine.draft
+                card["draft"] = "none" if d is None else "self" if d is engine.target else d.name
+            else:
+                card["draft"] = spec.config.draft_for(spec.path) or "none"
+            self.seats.append(Seat(spec, card, engine,
+                                   PromptBound.of(engine) if engine is not None else None))
+        self.default = self.seat(catalog.default)
+        self._start: Callable[[Any], None] = lambda engine: None
+        self._lock = threading.Lock()
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="specdec-load")
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    @classmethod
+    def single(cls, engine: Any) -> "Fleet":
+        """One engine, loaded already and never unloaded (a single-model server)."""
+        name = engine.target.name
+        spec = ModelSpec(name, str(getattr(engine.target, "path", name)),
+                         getattr(engine, "config", None), pinned=True)  # type: ignore[arg-type]
+        return cls(Catalog((spec,), name), lambda s: engine, loaded={name: engine})
+
+    def start(self, start: Callable[[Any], None]) -> None:
+        """Start the loaded engines' schedulers with `start`, and every later load's; watch
+        the TTLs."""
+        self._start = start
+        for s in self.seats:
+            if s.engine is not None:
+                start(s.engine)
+        if any(s.spec.ttl_s is not None for s in self.seats):
+            self._reaper = threading.Thread(target=self._reap, name="specdec-ttl", daemon=True)
+            self._reaper.start()
+
+    # -- routing ---------------------------------------------------------------------------
+    def seat(self, name: str) -> Seat:
+        spec = self.catalog.named(name)
+        return next(s for s in self.seats if s.spec is spec)
+
+    def route(self, name: str | None, param: str = "model") -> Seat:
+        """The seat a request's `model` names (None or "default": the default).
+
+        Raises:
+            WireError: 404 naming the models there are.
+        """
+        spec = self.catalog.named(DEFAULT_NAME if name is None else name)
+        if spec is None:
+            names = ", ".join(repr(s.name) for s in self.seats)
+            raise WireError(404, f"model {name!r} does not exist; this server serves {names}",
+                            param=param, code="model_not_found")
+        return next(s for s in self.seats if s.spec is spec)
+
+    def loaded(self, name: Any) -> Seat | None:
+        """The seat a body's `model` value names, if it is loaded (else None)."""
+        spec = self.catalog.named(name) if isinstance(name, str) else \
+            self.default.spec if name is None else None
+        seat = next((s for s in self.seats if s.spec is spec), None)
+        return seat if seat is not None and seat.engine is not None else None
+
+    # -- leases and loads ----------------------------------------------------------------
+    async def acquire(self, seat: Seat, timeout_s: float | None = None) -> Any:
+        """Lease `seat` for a request and return its engine, loading it first when it is not
+        (one load however many requests wait on it, within `timeout_s`).
+
+        Raises:
+            ModelLoadError: the load failed (the next request tries again). ModelsBusy:
+                no room (every loaded model busy or pinned). DeadlineExceeded: the wait
+                ran out.
+        """
+        with self._lock:
+            seat.leases += 1
+            seat.last_used = time.monotonic()
+            job = None if seat.engine is not None else self._load_job(seat)
+        if job is None:
+            return seat.engine
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), timeout_s)
+        except asyncio.TimeoutError:
+            self.release(seat)
+            from specdec.errors import DeadlineExceeded
+
+            raise DeadlineExceeded(f"model {seat.name!r} did not load within the request's "
+                                   f"time limit ({timeout_s:g}s)") from None
+        except BaseException:
+            self.release(seat)
+            raise
+
+    def release(self, seat: Seat) -> None:
+        with self._lock:
+            seat.leases -= 1
+            seat.last_used = time.monotonic()
+
+    def _load_job(self, seat: Seat) -> Future[Any]:
+        """The seat's load (the caller holds `_lock`): the one under way, else a new one,
+        after making room."""
+        if seat.loading is not None:
+            return seat.loading
+        if self.max_loaded is not None:
+            resident = [s for s in self.seats if s.engine is not None or s.loading is not None]
+            while len(resident) >= self.max_loaded:
+                idle = [s for s in resident if s.engine is not None and self._idle(s)]
+                if not idle:
+                    raise ModelsBusy(f"model {seat.name!r} cannot load: the {len(resident)} "
+                                     "loaded models (the most with --max-loaded) are in use "
+                                     "or pinned")
+                victim = min(idle, key=lambda s: s.last_used)
+                self._unload(victim, "to make room for " + repr(seat.name))
+                resident.remove(victim)
+        seat.loading = self._loads.submit(self._load, seat)
+        return seat.loading
+
+    def _idle(self, seat: Seat) -> bool:
+        """Unloadable now: not pinned, no lease, nothing in its scheduler (holds `_lock`)."""
+        if seat.spec.pinned or seat.leases:
+            return False
+        st = seat.engine.status()
+        return not (st.active or st.queue_depth)
+
+    def _load(self, seat: Seat) -> Any:
+        """Load and start a seat's engine (on the load thread)."""
+        t0 = time.perf_counter()
+        try:
+            engine, bound = self._make(seat)
+        except BaseException:
+            with self._lock:  # a later request tries again
+                seat.loading = None
+            raise
+        with self._lock:
+            seat.engine, seat.bound, seat.loading = engine, bound, None
+            seat.loads += 1
+            seat.load_s += time.perf_counter() - t0
+        log.info("loaded model %r in %.2fs", seat.name, time.perf_counter() - t0)
+        return engine
+
+    def _make(self, seat: Seat) -> tuple[Any, Any]:
+        """A seat's engine, started, and its prompt bound.
+
+        Raises:
+            ModelLoadError: naming the model and the cause.
+        """
+        from .door import PromptBound
+
+        log.info("loading model %r (%s)", seat.name, seat.spec.path)
+        try:
+            engine = self.loader(seat.spec)
+            self._start(engine)
+            return engine, PromptBound.of(engine)
+        except SpecdecError as e:
+            raise ModelLoadError(f"model {seat.name!r} failed to load: {e}") from e
+        except Exception as e:  # a broken model directory: its own exception, named
+            log.exception("model %r failed to load", seat.name)
+            raise ModelLoadError(f"model {seat.name!r} failed to load: "
+                                 f"{type(e).__name__}: {e}") from e
+
+    def _unload(self, seat: Seat, why: str) -> None:
+        """Stop and drop a seat's engine (the caller holds `_lock`; the seat is idle)."""
+        import mlx.core as mx
+
+        engine, seat.engine, seat.bound = seat.engine, None, None
+        seat.evictions += 1
+        log.info("unloading model %r (%s)", seat.name, why)
+        engine.close()
+        del engine
+        gc.collect()
+        mx.clear_cache()
+
+    def _reap(self) -> None:
+        while not self._closed.wait(REAP_EVERY_S):
+            now = time.monotonic()
+            with self._lock:
+                for s in self.seats:
+                    ttl = s.spec.ttl_s
+                    if s.engine is not None and ttl is not None and \
+                            now - s.last_used >= ttl and self._idle(s):
+                        self._unload(s, f"idle for {ttl:g}s")
+
+    def close(self) -> None:
+        self._closed.set()
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        for s in self.seats:
+            if s.engine is not None:
+                s.engine.close()

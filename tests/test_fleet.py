@@ -1,0 +1,342 @@
+"""Several models served by name: routing by name and alias through the three APIs, loading
+on first use (once, however many requests wait), eviction of the least recently used idle
+model under --max-loaded, pinning, idle TTL, a failed load, and the models file's errors.
+
+In process (httpx's ASGI transport against the real app), over two random-weight models of
+different families (Qwen 2.5, Llama 3) and the embedded model, on the reference BLAS: a
+request's tokens do not depend on the other models' requests.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from server.app import create_app
+from server.door import ServeConfig
+from server.fleet import Fleet
+from specdec.catalog import Catalog, ModelSpec, build
+from specdec.config import EngineConfig
+from specdec.engine import Engine
+from specdec.errors import ModelConfigError
+from tests.families import make_family
+from tests.serverproc import InProcess
+
+BASE = replace(EngineConfig(), draft="none")
+ASK = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    return {"qwen": str(make_family("qwen2.5", root / "qwen")),
+            "llama": str(make_family("llama3-tied", root / "llama", seed=1)),
+            "phi": str(make_family("phi3", root / "phi", seed=2))}
+
+
+class Loader:
+    """Loads a spec's engine (the session's embedded model for "default"), counting loads
+    by name; `delay` holds each load that long, `broken` names models that fail."""
+
+    def __init__(self, embedded, delay: float = 0.0, broken: tuple[str, ...] = ()) -> None:
+        self.embedded, self.delay, self.broken = embedded, delay, broken
+        self.loads: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, spec: ModelSpec) -> Engine:
+        with self._lock:
+            self.loads[spec.name] = self.loads.get(spec.name, 0) + 1
+        time.sleep(self.delay)
+        if spec.name in self.broken:
+            raise OSError(f"no weights in {spec.path}")
+        if spec.path == "default":
+            return Engine(self.embedded)
+        return Engine.load(spec.path, spec.config)
+
+
+def serve(specs: list[ModelSpec], loader: Loader, max_loaded: int | None = None
+          ) -> InProcess:
+    fleet = Fleet(Catalog(tuple(specs), specs[0].name), loader, max_loaded)
+    return InProcess(create_app(fleet, ServeConfig()), fleet)
+
+
+def fleet_of(srv: InProcess) -> Fleet:
+    return srv.engine  # type: ignore[return-value]
+
+
+def loaded(srv: InProcess) -> set[str]:
+    return {s.name for s in fleet_of(srv).seats if s.engine is not None}
+
+
+def ask(srv: InProcess, api: str, model: str | None, max_tokens: int = 8) -> httpx.Response:
+    body: dict = {"max_tokens": max_tokens, "temperature": 0}
+    if model is not None:
+        body["model"] = model
+    if api == "chat":
+        return srv.http.post("/v1/chat/completions", json={**body, "messages": ASK})
+    if api == "responses":
+        body["max_output_tokens"] = body.pop("max_tokens")
+        return srv.http.post("/v1/responses", json={**body, "input": ASK[0]["content"]})
+    return srv.http.post("/v1/messages", json={**body, "messages": ASK})
+
+
+@pytest.fixture(scope="module")
+def three(dirs, embedded):
+    loader = Loader(embedded)
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE, aliases=("fast", "q")),
+                 ModelSpec("llama", dirs["llama"], BASE, aliases=("agent",)),
+                 ModelSpec("smol", "default", BASE)], loader)
+    yield srv, loader
+    srv.stop()
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_requests_route_by_name_and_alias_through_every_api(three, api):
+    srv, loader = three
+    for name, canonical in (("qwen", "qwen"), ("fast", "qwen"), ("agent", "llama"),
+                            ("smol", "smol"), ("default", "qwen"), (None, "qwen")):
+        if name is None and api == "messages":
+            continue  # the Messages API requires a model
+        r = ask(srv, api, name)
+        assert r.status_code == 200, (api, name, r.text)
+        assert r.json()["model"] == canonical
+    assert loader.loads == {"qwen": 1, "llama": 1, "smol": 1}  # each loaded once, kept
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_an_unknown_model_is_a_404_in_the_apis_shape_naming_the_models(three, api):
+    srv, _ = three
+    r = ask(srv, api, "gpt-9")
+    assert r.status_code == 404, r.text
+    body = r.json()
+    if api == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+    else:
+        assert body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    msg = body["error"]["message"]
+    assert "'gpt-9'" in msg and all(f"'{n}'" in msg for n in ("qwen", "llama", "smol"))
+
+
+def test_the_models_list_names_every_model_with_its_card(three, dirs):
+    srv, _ = three
+    ask(srv, "chat", "smol")
+    cards = {m["id"]: m for m in srv.http.get("/v1/models").json()["data"]}
+    assert set(cards) == {"qwen", "llama", "smol"}
+    assert cards["qwen"]["family"] == "qwen2" and cards["llama"]["family"] == "llama"
+    assert cards["smol"]["family"] == "llama" and cards["smol"]["quantization"] is None
+    assert cards["qwen"]["aliases"] == ["fast", "q"] and cards["smol"]["aliases"] == []
+    assert cards["qwen"]["context_length"] == 4096 and cards["smol"]["context_length"] == 8192
+    assert all(c["draft"] == "none" for c in cards.values())
+    assert cards["smol"]["loaded"] is True
+    # the official client reads the list too
+    assert sorted(m.id for m in srv.client().models.list().data) == ["llama", "qwen", "smol"]
+
+
+def test_named_models_through_the_openai_and_anthropic_clients(serve, dirs):
+    # A real `specdec serve` of two models by name, one resident at a time.
+    srv = serve("--model", f"qwen={dirs['qwen']}", "--model", f"llama={dirs['llama']}",
+                "--draft-model", "none", "--max-loaded", "1")
+    client = srv.client()
+    assert sorted(m.id for m in client.models.list().data) == ["llama", "qwen"]
+    out = client.chat.completions.create(model="llama", messages=ASK, max_tokens=6,
+                                         temperature=0)
+    assert out.model == "llama" and out.choices[0].message.content
+    claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0,
+                                 timeout=120)
+    msg = claude.messages.create(model="qwen", max_tokens=6, messages=ASK)
+    assert msg.model == "qwen" and msg.content[0].text
+    with pytest.raises(anthropic.NotFoundError, match="gpt-9"):
+        claude.messages.create(model="gpt-9", max_tokens=6, messages=ASK)
+    with pytest.raises(openai.NotFoundError, match="'qwen', 'llama'"):
+        client.chat.completions.create(model="gpt-9", messages=ASK, max_tokens=6)
+    assert "unloading model 'llama' (to make room for 'qwen')" in srv.log()
+
+
+def test_concurrent_first_requests_wait_for_one_load(dirs, embedded):
+    loader = Loader(embedded, delay=1.0)
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE), ModelSpec("llama", dirs["llama"],
+                                                                  BASE)], loader)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            rs = list(pool.map(lambda api: ask(srv, api, "llama"),
+                               ["chat", "responses", "messages"] * 2))
+        assert [r.status_code for r in rs] == [200] * 6
+        assert loader.loads == {"llama": 1}
+    finally:
+        srv.stop()
+
+
+def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(dirs, embedded):
+    loader = Loader(embedded)
+    srv = serve([ModelSpec(n, dirs[n], BASE) for n in ("qwen", "llama", "phi")], loader,
+                max_loaded=2)
+    try:
+        for name, resident in (("qwen", {"qwen"}), ("llama", {"qwen", "llama"}),
+                               ("qwen", {"qwen", "llama"}),  # qwen used last now
+                               ("phi", {"qwen", "phi"}),  # llama: least recently used
+                               ("llama", {"phi", "llama"})):  # qwen's turn
+            assert ask(srv, "chat", name).status_code == 200
+            assert loaded(srv) == resident, name
+        assert loader.loads == {"qwen": 1, "llama": 2, "phi": 1}
+        seats = {s.name: s for s in fleet_of(srv).seats}
+        assert (seats["qwen"].evictions, seats["llama"].evictions) == (1, 1)
+        metrics = srv.http.get("/metrics").text
+        assert 'specdec_model_evictions_total{model="llama"} 1' in metrics
+        assert 'specdec_model_loaded{model="qwen"} 0' in metrics
+    finally:
+        srv.stop()
+
+
+def test_a_pinned_model_is_never_unloaded(dirs, embedded):
+    loader = Loader(embedded)
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE, pinned=True),
+                 ModelSpec("llama", dirs["llama"], BASE), ModelSpec("phi", dirs["phi"], BASE)],
+                loader, max_loaded=2)
+    try:
+        for name in ("qwen", "llama", "phi", "llama", "phi"):
+            assert ask(srv, "chat", name).status_code == 200
+            assert "qwen" in loaded(srv) and len(loaded(srv)) <= 2
+        assert loader.loads == {"qwen": 1, "llama": 2, "phi": 2}
+    finally:
+        srv.stop()
+    # With room for one and that one pinned, another model cannot load: a 503 saying why.
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE, pinned=True),
+                 ModelSpec("llama", dirs["llama"], BASE)], Loader(embedded), max_loaded=1)
+    try:
+        assert ask(srv, "chat", "qwen").status_code == 200
+        r = ask(srv, "messages", "llama")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert "pinned" in r.json()["error"]["message"]
+        assert loaded(srv) == {"qwen"}
+    finally:
+        srv.stop()
+
+
+def test_an_idle_model_is_unloaded_after_its_ttl(dirs, embedded):
+    loader = Loader(embedded)
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE),
+                 ModelSpec("llama", dirs["llama"], BASE, ttl_s=1.0)], loader)
+    try:
+        for name in ("qwen", "llama"):
+            assert ask(srv, "chat", name).status_code == 200
+        assert loaded(srv) == {"qwen", "llama"}
+        deadline = time.monotonic() + 10
+        while "llama" in loaded(srv) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert loaded(srv) == {"qwen"}  # qwen has no TTL
+        assert ask(srv, "chat", "llama").status_code == 200  # loads again
+        assert loader.loads == {"qwen": 1, "llama": 2}
+    finally:
+        srv.stop()
+
+
+def test_a_failed_load_names_the_model_and_the_others_keep_serving(dirs, embedded):
+    loader = Loader(embedded, broken=("llama",))
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE), ModelSpec("llama", dirs["llama"],
+                                                                  BASE)], loader)
+    try:
+        for api in ("chat", "messages"):
+            r = ask(srv, api, "llama")
+            assert r.status_code == 503, r.text
+            msg = r.json()["error"]["message"]
+            assert "'llama'" in msg and "no weights in" in msg
+        assert ask(srv, "responses", "qwen").status_code == 200
+        assert loader.loads == {"llama": 2, "qwen": 1}  # each request tried again
+    finally:
+        srv.stop()
+
+
+def test_a_request_gives_the_same_tokens_alone_and_in_a_crowd_of_two_models(three):
+    srv, _ = three
+
+    def needle(model: str, i: int) -> tuple:
+        r = srv.http.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": f"Count to {i}."}],
+            "max_tokens": 24, "temperature": 0, "logprobs": True})
+        assert r.status_code == 200, r.text
+        return tuple((t["token"], t["logprob"]) for t in r.json()["choices"][0]["logprobs"]
+                     ["content"])
+
+    alone = needle("qwen", 7)
+    assert len(alone) == 24
+    with ThreadPoolExecutor(8) as pool:
+        crowd = [pool.submit(needle, "qwen" if i % 2 else "llama", i) for i in range(12)]
+        inside = pool.submit(needle, "qwen", 7)
+        [f.result() for f in crowd]
+    assert inside.result() == alone
+
+
+# -- configuration --------------------------------------------------------------------------
+
+def test_model_flags_and_a_models_file_make_one_catalog(tmp_path, dirs):
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    f = tmp_path / "models.toml"
+    f.write_text(f'default = "q"\n\n[models.q]\npath = "{dirs["qwen"]}"\naliases = ["fast"]\n'
+                 f'chat_template = "t.jinja"\nreasoning_format = "think"\nttl = 30\n\n'
+                 f'[models.l]\npath = "{dirs["llama"]}"\npinned = true\ndraft = "self"\n')
+    cat = build([f"phi={dirs['phi']}", "default"], [str(f)], None, BASE)
+    assert [m.name for m in cat.models] == ["phi", "SmolLM2-135M-Instruct", "q", "l"]
+    assert cat.default == "q" and cat.named("default").name == "q"
+    q, lm = cat.models[2], cat.models[3]
+    assert q.aliases == ("fast",) and q.ttl_s == 30.0 and not q.pinned
+    assert q.config.defaults.chat_template == "{{ messages[0]['content'] }}"
+    assert q.config.defaults.reasoning_format == "think" and q.config.draft == "none"
+    assert lm.pinned and lm.config.draft == "self"
+    assert build([], [], None, BASE).models[0].path == "default"  # no flags: embedded
+    js = tmp_path / "m.json"
+    js.write_text('{"models": {"q": {"path": "%s", "aliases": ["a"]}}}' % dirs["qwen"])
+    assert build([], [str(js)], None, BASE).named("a").name == "q"
+
+
+@pytest.mark.parametrize("text,where", [
+    ('[models.q]\npath = "QWEN"\nttl = "soon"\n', ":3: models.q.ttl: must be a number"),
+    ('[models.q]\npath = "QWEN"\nbogus = 1\n', ":3: models.q.bogus: unknown field"),
+    ('[models.q]\naliases = ["x"]\n', ":1: models.q.path: required"),
+    ('[models.q]\npath = "/nowhere/at/all"\n', ":2: models.q.path: '/nowhere/at/all' is "),
+    ('[models.q]\npath = "QWEN"\nreasoning_format = "nope"\n',
+     ":3: models.q.reasoning_format:"),
+    ('[models.q]\npath = "QWEN"\npinned = true\nttl = 5\n', ":4: models.q.ttl: a pinned"),
+    ('[models.q\npath = "QWEN"\n', ": not valid TOML: "),
+    ('default = "zz"\n[models.q]\npath = "QWEN"\n', "default model 'zz' is none of"),
+])
+def test_a_malformed_models_file_names_file_line_and_field(tmp_path, dirs, text, where):
+    f = tmp_path / "models.toml"
+    f.write_text(text.replace("QWEN", dirs["qwen"]))
+    with pytest.raises(ModelConfigError) as e:
+        build([], [str(f)], None, BASE)
+    assert where in str(e.value) and (str(f) in str(e.value) or "default model" in where)
+
+
+def test_duplicate_names_and_foreign_drafts_are_refused_at_start(tmp_path, dirs):
+    with pytest.raises(ModelConfigError, match="'x' names two models"):
+        build([f"x={dirs['qwen']}", f"x={dirs['llama']}"], [], None, BASE)
+    f = tmp_path / "m.toml"
+    f.write_text(f'[models.q]\npath = "{dirs["qwen"]}"\naliases = ["a"]\n'
+                 f'[models.l]\npath = "{dirs["llama"]}"\naliases = ["a"]\n')
+    with pytest.raises(ModelConfigError, match="'a' names two models"):
+        build([], [str(f)], None, BASE)
+    f.write_text(f'[models.q]\npath = "{dirs["qwen"]}"\ndraft = "{dirs["llama"]}"\n')
+    with pytest.raises(ModelConfigError, match="model 'q': draft .* different tokenizer"):
+        build([], [str(f)], None, BASE)
+    with pytest.raises(ModelConfigError, match="'default' is reserved"):
+        build([f"default={dirs['qwen']}"], [], None, BASE)
+
+
+def test_the_server_does_not_start_on_a_bad_models_file(tmp_path, dirs):
+    f = tmp_path / "models.toml"
+    f.write_text(f'[models.q]\npath = "{dirs["qwen"]}"\nttl = -1\n')
+    run = subprocess.run([sys.executable, "-m", "specdec", "serve", "--port", "0",
+                          "--models-file", str(f)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert f"{f}:3: models.q.ttl: must be a number of seconds > 0" in run.stderr
+    assert "Uvicorn running" not in run.stderr
