@@ -121,7 +121,12 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if "anthropic-version" in request.headers:  # Anthropic's client: its list's shape
+            cards = [{"type": "model", "id": s.name, "display_name": s.name,
+                      "created_at": "1970-01-01T00:00:00Z"} for s in fleet.seats]
+            return JSONResponse({"data": cards, "has_more": False,
+                                 "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
         return {"object": "list", "data": [
             {"id": s.name, "object": "model", "created": 0, "owned_by": "specdec",
              "aliases": list(s.spec.aliases), **s.card, "loaded": s.engine is not None,

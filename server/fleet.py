@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.catalog import DEFAULT_NAME, Catalog, ModelSpec
-from specdec.errors import ModelLoadError, ModelsBusy, SpecdecError
+from specdec.errors import DeadlineExceeded, ModelLoadError, ModelsBusy, SpecdecError
 
 from .errors import WireError
 
@@ -100,7 +100,7 @@ class Fleet:
                 (resolve_model_path(spec.path) / "config.json").read_text()))
             card = card_of(config)
             if engine is not None:
-                d = engine.draft
+                d = getattr(engine, "draft", None)
                 card["draft"] = "none" if d is None else "self" if d is engine.target else d.name
             else:
                 card["draft"] = spec.config.draft_for(spec.path) or "none"
@@ -170,15 +170,18 @@ class Fleet:
         with self._lock:
             seat.leases += 1
             seat.last_used = time.monotonic()
-            job = None if seat.engine is not None else self._load_job(seat)
+            engine = seat.engine
+            try:
+                job = None if engine is not None else self._load_job(seat)
+            except BaseException:
+                seat.leases -= 1
+                raise
         if job is None:
-            return seat.engine
+            return engine
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), timeout_s)
         except asyncio.TimeoutError:
             self.release(seat)
-            from specdec.errors import DeadlineExceeded
-
             raise DeadlineExceeded(f"model {seat.name!r} did not load within the request's "
                                    f"time limit ({timeout_s:g}s)") from None
         except BaseException:

@@ -152,6 +152,7 @@ def test_named_models_through_the_openai_and_anthropic_clients(serve, dirs):
     assert out.model == "llama" and out.choices[0].message.content
     claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0,
                                  timeout=120)
+    assert [m.id for m in claude.models.list().data] == ["qwen", "llama"]
     msg = claude.messages.create(model="qwen", max_tokens=6, messages=ASK)
     assert msg.model == "qwen" and msg.content[0].text
     with pytest.raises(anthropic.NotFoundError, match="gpt-9"):
@@ -216,7 +217,7 @@ def test_a_pinned_model_is_never_unloaded(dirs, embedded):
         r = ask(srv, "messages", "llama")
         assert r.status_code == 503 and r.headers["retry-after"]
         assert "pinned" in r.json()["error"]["message"]
-        assert loaded(srv) == {"qwen"}
+        assert loaded(srv) == {"qwen"} and fleet_of(srv).seat("llama").leases == 0
     finally:
         srv.stop()
 
