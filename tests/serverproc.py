@@ -147,8 +147,7 @@ def serve_app(*args: str, models: dict[str, object] | None = None) -> InProcess:
 
     with mock.patch.object(specdec_models, "load", reuse):
         served = cli.serve_target(ns)
-    app = create_app(served, cli.serve_config(ns))
-    return InProcess(app, app.state.door.fleet)
+    return InProcess(create_app(served, cli.serve_config(ns)), served)
 
 
 def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict:
