@@ -18,6 +18,7 @@ model wait on its one load.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import logging
@@ -70,6 +71,16 @@ def card_of(config: dict[str, Any]) -> dict[str, Any]:
             "quantization": (f"{q['bits']}-bit" if isinstance(q, dict) and "bits" in q
                              else None),
             "context_length": int(config.get("max_position_embeddings") or 2048)}
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
+    nothing): without it an unloaded model's freed tokenizer and loading buffers stay in
+    the process (measured: ~400 MB of the embedded model's first unload)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class Fleet:
@@ -266,6 +277,7 @@ class Fleet:
         del engine
         gc.collect()
         mx.clear_cache()
+        trim_heap()
 
     def _reap(self) -> None:
         while not self._closed.wait(REAP_EVERY_S):

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -341,3 +342,45 @@ def test_the_server_does_not_start_on_a_bad_models_file(tmp_path, dirs):
     assert run.returncode == 2, run.stderr
     assert f"{f}:3: models.q.ttl: must be a number of seconds > 0" in run.stderr
     assert "Uvicorn running" not in run.stderr
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return kb / 1024
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+def test_memory_comes_back_after_an_unload(serve, embedded, tmp_path):
+    # A real server, one process: the embedded model (float32 weights, ~540 MB) under two
+    # names, one resident at a time, one of them unloaded when idle for a second.
+    f = tmp_path / "models.toml"
+    f.write_text('[models.a]\npath = "default"\nttl = 1\n[models.b]\npath = "default"\n')
+    srv = serve("--models-file", str(f), "--draft-model", "none", "--max-loaded", "1")
+    pid = srv.proc.pid
+
+    def use(model: str) -> float:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": ASK, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        return _rss_mb(pid)
+
+    def resident() -> set[str]:
+        return {m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]
+                if m["loaded"]}
+
+    before = _rss_mb(pid)
+    loaded = use("a")
+    size = loaded - before  # what one resident model costs the process
+    assert size > 300, (before, loaded)
+    deadline = time.monotonic() + 20
+    while resident() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert resident() == set()
+    after_ttl = _rss_mb(pid)
+    cycled = [use(m) for m in "babab"]  # each load unloads the other
+    print(f"RSS MB: before {before:.0f}, loaded {loaded:.0f}, after the TTL unload "
+          f"{after_ttl:.0f}, loads of b/a/b/a/b {[round(x) for x in cycled]}")
+    assert after_ttl - before < 0.35 * size  # the unloaded model's memory came back
+    assert max(cycled) - loaded < 0.5 * size  # never a second model's worth resident
