@@ -28,9 +28,9 @@ from specdec.errors import InternalError, SpecdecError
 from . import chat, messages, responses
 from .door import Door, ServeConfig
 from .errors import WireError, bad_request, ref_of
-from .fleet import Fleet
+from .fleet import Fleet, Seat
 from .metrics import Metrics
-from .openapi import Health, ModelList, error_responses, openapi
+from .openapi import Health, ModelCard, ModelList, error_responses, openapi
 
 log = logging.getLogger("specdec.server")
 APIS = (messages, responses, chat)  # each: PREFIX, REQUEST_BODIES, router(door), error(e)
@@ -127,24 +127,74 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
                       "created_at": "1970-01-01T00:00:00Z"} for s in fleet.seats]
             return JSONResponse({"data": cards, "has_more": False,
                                  "first_id": cards[0]["id"], "last_id": cards[-1]["id"]})
-        return {"object": "list", "data": [
-            {"id": s.name, "object": "model", "created": 0, "owned_by": "specdec",
-             "aliases": list(s.spec.aliases), **s.card, "loaded": s.engine is not None,
-             "pinned": s.spec.pinned} for s in fleet.seats]}
+        return {"object": "list", "data": [card(s) for s in fleet.seats]}
+
+    @app.get("/v1/models/{name}", response_model=ModelCard, responses=error_responses(401, 404))
+    async def model(name: str) -> dict[str, Any]:
+        return card(fleet.route(name))
+
+    def admin(name: str) -> Seat:
+        """The model an administrator's request names; refused on a server that listens
+        beyond loopback with no API key (anyone could unload its models)."""
+        if config.api_key is None and config.host not in LOOPBACK:
+            raise WireError(401, f"model administration needs --api-key on a server "
+                                 f"listening on {config.host}", code="invalid_api_key")
+        return fleet.route(name)
+
+    @app.post("/v1/models/{name}/load", response_model=ModelCard,
+              responses=error_responses(401, 404, 503, 504))
+    async def load(name: str) -> dict[str, Any]:
+        seat = admin(name)
+        await fleet.load(seat, config.request_timeout_s)
+        return card(seat)
+
+    @app.post("/v1/models/{name}/unload", response_model=ModelCard,
+              responses=error_responses(401, 404, 503))
+    async def unload(name: str) -> dict[str, Any]:
+        seat = admin(name)
+        fleet.unload(seat)
+        return card(seat)
+
+    @app.post("/v1/models/{name}/pin", response_model=ModelCard,
+              responses=error_responses(401, 404))
+    async def pin(name: str) -> dict[str, Any]:
+        seat = admin(name)
+        fleet.pin(seat, True)
+        return card(seat)
+
+    @app.post("/v1/models/{name}/unpin", response_model=ModelCard,
+              responses=error_responses(401, 404))
+    async def unpin(name: str) -> dict[str, Any]:
+        seat = admin(name)
+        fleet.pin(seat, False)
+        return card(seat)
 
     for api in APIS:
         app.include_router(api.router(door))
     return app
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def card(s: Seat) -> dict[str, Any]:
+    """A served model as `/v1/models` lists it (`openapi.ModelCard`)."""
+    return {"id": s.name, "object": "model", "created": 0, "owned_by": "specdec",
+            "aliases": list(s.spec.aliases), **s.card, "loaded": s.engine is not None,
+            "pinned": s.pinned}
+
+
 def model_metrics(fleet: Fleet) -> str:
-    """Prometheus lines per served model: loaded or not, loads, unloads, load seconds."""
+    """Prometheus lines per served model: loaded or not, loads, unloads, load seconds,
+    requests and output tokens."""
     lines = []
     for name, kind, value in (
             ("model_loaded", "gauge", lambda s: int(s.engine is not None)),
             ("model_loads_total", "counter", lambda s: s.loads),
             ("model_evictions_total", "counter", lambda s: s.evictions),
-            ("model_load_seconds_total", "counter", lambda s: s.load_s)):
+            ("model_load_seconds_total", "counter", lambda s: s.load_s),
+            ("model_requests_total", "counter", lambda s: s.requests),
+            ("model_completion_tokens_total", "counter", lambda s: s.tokens)):
         lines.append(f"# TYPE specdec_{name} {kind}")
         lines += [f'specdec_{name}{{model="{s.name}"}} {value(s):g}' for s in fleet.seats]
     return "\n".join(lines) + "\n"

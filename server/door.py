@@ -448,6 +448,7 @@ class Door:
                 if e.code == "queue_full":
                     self.metrics.add(requests_rejected_total=1)
                 raise
+            seat.requests += 1
         except BaseException:
             self.fleet.release(seat)
             raise
@@ -505,6 +506,7 @@ class Run:
                     self.door.metrics.observe(len(self.request.prompt_ids),
                                               ev.usage.completion_tokens, ev.stats.counters,
                                               ev.stats.seconds)
+                    self.seat.tokens += ev.usage.completion_tokens
                 yield ev
                 if isinstance(ev, (Finished, Failed)):
                     return

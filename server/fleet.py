@@ -45,7 +45,8 @@ class Seat:
     Attributes:
         card: family, quantization, context length (from its config.json, unloaded too).
         leases: requests routed to it and not yet ended. last_used: when the last one
-            began or ended (`time.monotonic`). loads, evictions, load_s: its history.
+            began or ended (`time.monotonic`). loads, evictions, load_s, requests,
+            tokens: its history (for /metrics).
     """
 
     spec: ModelSpec
@@ -58,6 +59,12 @@ class Seat:
     loads: int = 0
     evictions: int = 0
     load_s: float = 0.0
+    requests: int = 0  # submitted to its engine
+    tokens: int = 0  # output tokens of its finished requests
+    pinned: bool = False  # never unloaded to make room or for its TTL (the spec's, or set)
+
+    def __post_init__(self) -> None:
+        self.pinned = self.spec.pinned
 
     @property
     def name(self) -> str:
@@ -225,10 +232,38 @@ class Fleet:
 
     def _idle(self, seat: Seat) -> bool:
         """Unloadable now: not pinned, no lease, nothing in its scheduler (holds `_lock`)."""
-        if seat.spec.pinned or seat.leases:
-            return False
+        return not seat.pinned and not self._busy(seat)
+
+    def _busy(self, seat: Seat) -> bool:
+        """A request of it routed, queued or decoding (the caller holds `_lock`)."""
+        if seat.leases:
+            return True
         st = seat.engine.status()
-        return not (st.active or st.queue_depth)
+        return bool(st.active or st.queue_depth)
+
+    # -- what an administrator asks ------------------------------------------------------
+    async def load(self, seat: Seat, timeout_s: float | None = None) -> None:
+        """Load `seat` now (as its first request would: one load, room made)."""
+        await self.acquire(seat, timeout_s)
+        self.release(seat)
+
+    def unload(self, seat: Seat) -> None:
+        """Unload `seat` now, pinned or not, unless a request of it is in hand.
+
+        Raises:
+            ModelsBusy: it has requests routed, queued or decoding.
+        """
+        with self._lock:
+            if seat.engine is None:
+                return
+            if self._busy(seat):
+                raise ModelsBusy(f"model {seat.name!r} has requests in hand; unload it once "
+                                 "they end")
+            self._unload(seat, "asked to")
+
+    def pin(self, seat: Seat, pinned: bool) -> None:
+        with self._lock:
+            seat.pinned = pinned
 
     def _load(self, seat: Seat) -> Any:
         """Load and start a seat's engine (on the load thread)."""

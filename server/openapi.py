@@ -50,7 +50,9 @@ class ModelList(BaseModel):
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     why = {400: "invalid request (OpenAI's error shape, `param` names the field)",
            401: "missing or wrong API key", 404: "unknown model or path",
-           413: "request body too large", 503: "queue full (with Retry-After)",
+           413: "request body too large",
+           503: "queue full, or the model busy or failing to load (Retry-After where a "
+                "retry can succeed)",
            504: "the request's time limit passed"}
     return {c: {"model": ErrorResponse, "description": why[c]} for c in codes}
 

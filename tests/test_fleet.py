@@ -9,6 +9,7 @@ request's tokens do not depend on the other models' requests.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
@@ -181,12 +182,15 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(dirs, embed
     loader = Loader(embedded)
     srv = serve([ModelSpec(n, dirs[n], BASE) for n in ("qwen", "llama", "phi")], loader,
                 max_loaded=2)
+    tokens: dict[str, int] = {}
     try:
         for name, resident in (("qwen", {"qwen"}), ("llama", {"qwen", "llama"}),
                                ("qwen", {"qwen", "llama"}),  # qwen used last now
                                ("phi", {"qwen", "phi"}),  # llama: least recently used
                                ("llama", {"phi", "llama"})):  # qwen's turn
-            assert ask(srv, "chat", name).status_code == 200
+            r = ask(srv, "chat", name)
+            assert r.status_code == 200
+            tokens[name] = tokens.get(name, 0) + r.json()["usage"]["completion_tokens"]
             assert loaded(srv) == resident, name
         assert loader.loads == {"qwen": 1, "llama": 2, "phi": 1}
         seats = {s.name: s for s in fleet_of(srv).seats}
@@ -194,6 +198,9 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(dirs, embed
         metrics = srv.http.get("/metrics").text
         assert 'specdec_model_evictions_total{model="llama"} 1' in metrics
         assert 'specdec_model_loaded{model="qwen"} 0' in metrics
+        assert 'specdec_model_requests_total{model="qwen"} 2' in metrics
+        for name, n in tokens.items():
+            assert f'specdec_model_completion_tokens_total{{model="{name}"}} {n}' in metrics
     finally:
         srv.stop()
 
@@ -239,6 +246,51 @@ def test_an_idle_model_is_unloaded_after_its_ttl(dirs, embedded):
         assert loader.loads == {"qwen": 1, "llama": 2}
     finally:
         srv.stop()
+
+
+def test_models_are_loaded_unloaded_and_pinned_on_request(dirs, embedded):
+    loader = Loader(embedded)
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE, aliases=("fast",)),
+                 ModelSpec("llama", dirs["llama"], BASE)], loader, max_loaded=1)
+    post = srv.http.post
+    try:
+        assert srv.http.get("/v1/models/fast").json()["id"] == "qwen"
+        assert srv.http.get("/v1/models/gpt-9").status_code == 404
+        assert post("/v1/models/gpt-9/load").status_code == 404
+        card = post("/v1/models/qwen/load").json()
+        assert card["loaded"] is True and loader.loads == {"qwen": 1}
+        assert post("/v1/models/qwen/pin").json()["pinned"] is True
+        r = ask(srv, "chat", "llama")  # no room: the one resident model is pinned
+        assert r.status_code == 503 and r.json()["error"]["code"] == "models_busy"
+        assert post("/v1/models/qwen/unpin").json()["pinned"] is False
+        assert ask(srv, "chat", "llama").status_code == 200
+        assert loaded(srv) == {"llama"}
+        fleet = fleet_of(srv)
+        seat = fleet.seat("llama")
+        asyncio.run(fleet.acquire(seat))  # a request of it in hand
+        r = post("/v1/models/llama/unload")
+        assert r.status_code == 503 and "requests in hand" in r.json()["error"]["message"]
+        fleet.release(seat)
+        assert post("/v1/models/llama/unload").json()["loaded"] is False
+        assert loaded(srv) == set()
+    finally:
+        srv.stop()
+
+
+def test_model_administration_needs_a_key_beyond_loopback(dirs, embedded):
+    specs = (ModelSpec("qwen", dirs["qwen"], BASE), ModelSpec("llama", dirs["llama"], BASE))
+    for config, headers, status in ((ServeConfig(host="0.0.0.0"), {}, 401),
+                                    (ServeConfig(host="0.0.0.0", api_key="k"), {}, 401),
+                                    (ServeConfig(host="0.0.0.0", api_key="k"),
+                                     {"Authorization": "Bearer k"}, 200)):
+        fleet = Fleet(Catalog(specs, "qwen"), Loader(embedded))
+        srv = InProcess(create_app(fleet, config), fleet)
+        try:
+            r = srv.http.post("/v1/models/llama/pin", headers=headers)
+            assert r.status_code == status, r.text
+            assert fleet.seat("llama").pinned is (status == 200)
+        finally:
+            srv.stop()
 
 
 def test_a_failed_load_names_the_model_and_the_others_keep_serving(dirs, embedded):

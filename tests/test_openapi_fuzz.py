@@ -53,8 +53,11 @@ def test_document_describes_every_endpoint(api, server):
     doc = httpx.get(server.url + "/openapi.json").json()
     ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
     generate = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+    admin = ("load", "unload", "pin", "unpin")
     assert ops == {("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
-                   ("POST", "/v1/messages/count_tokens"), *(("POST", p) for p in generate)}
+                   ("GET", "/v1/models/{name}"), ("POST", "/v1/messages/count_tokens"),
+                   *(("POST", p) for p in generate),
+                   *(("POST", f"/v1/models/{{name}}/{a}") for a in admin)}
     for path in generate:
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"].startswith("#/components/schemas/")
