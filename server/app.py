@@ -102,12 +102,13 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
 
     @app.get("/health", response_model=Health)
     async def health() -> Any:
-        sts = statuses()
-        depth = sum(st.queue_depth for st in sts)
-        if not all(st.alive for st in sts):  # not ready: a balancer sends no more here
+        each = {s.name: model_health(s) for s in fleet.seats}
+        depth = sum(h["queue_depth"] for h in each.values())
+        if any(h["status"] == "stopping" for h in each.values()):  # a balancer sends no more
             return JSONResponse({"status": "stopping", "model": door.model_name,
-                                 "queue_depth": depth}, status_code=503)
-        return {"status": "ok", "model": door.model_name, "queue_depth": depth}
+                                 "queue_depth": depth, "models": each}, status_code=503)
+        return {"status": "ok", "model": door.model_name, "queue_depth": depth,
+                "models": each}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(401))
     async def prom() -> PlainTextResponse:
@@ -182,6 +183,15 @@ def card(s: Seat) -> dict[str, Any]:
     return {"id": s.name, "object": "model", "created": 0, "owned_by": "specdec",
             "aliases": list(s.spec.aliases), **s.card, "loaded": s.engine is not None,
             "pinned": s.pinned}
+
+
+def model_health(s: Seat) -> dict[str, Any]:
+    """A served model's part of `/health` (`openapi.ModelHealth`)."""
+    if s.engine is None:
+        return {"status": "unloaded", "queue_depth": 0, "active": 0, "pinned": s.pinned}
+    st = s.engine.status()
+    return {"status": "ok" if st.alive else "stopping", "queue_depth": st.queue_depth,
+            "active": st.active, "pinned": s.pinned}
 
 
 def model_metrics(fleet: Fleet) -> str:

@@ -20,10 +20,20 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class ModelHealth(BaseModel):
+    """One served model's state: `unloaded`, or its scheduler's (`ok`, `stopping`)."""
+
+    status: Literal["ok", "stopping", "unloaded"]
+    queue_depth: int
+    active: int
+    pinned: bool
+
+
 class Health(BaseModel):
     status: Literal["ok"]
-    model: str
-    queue_depth: int
+    model: str  # the default model
+    queue_depth: int  # every model's together
+    models: dict[str, ModelHealth] = {}
 
 
 class ModelCard(BaseModel):

@@ -238,10 +238,14 @@ def test_an_idle_model_is_unloaded_after_its_ttl(dirs, embedded):
         for name in ("qwen", "llama"):
             assert ask(srv, "chat", name).status_code == 200
         assert loaded(srv) == {"qwen", "llama"}
+        health = srv.http.get("/health").json()
+        assert health["models"]["llama"] == {"status": "ok", "queue_depth": 0, "active": 0,
+                                             "pinned": False}
         deadline = time.monotonic() + 10
         while "llama" in loaded(srv) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert loaded(srv) == {"qwen"}  # qwen has no TTL
+        assert srv.http.get("/health").json()["models"]["llama"]["status"] == "unloaded"
         assert ask(srv, "chat", "llama").status_code == 200  # loads again
         assert loader.loads == {"qwen": 1, "llama": 2}
     finally:
