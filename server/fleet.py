@@ -1,6 +1,6 @@
 """The models a server serves, by name: each loaded on its first request, at most
-`max_loaded` resident, the least recently used idle one unloaded to make room, an idle one
-unloaded past its TTL, a pinned one never.
+`max_loaded` resident and at most `memory_budget` bytes of weights, the least recently used
+idle one unloaded to make room, an idle one unloaded past its TTL, a pinned one never.
 
 Each loaded model is an `Engine` of its own: its tokenizer, grammar compiler, chat template,
 reasoning and tool formats, draft, KV budget and scheduler thread. One scheduler per model,
@@ -59,6 +59,7 @@ class Seat:
     loads: int = 0
     evictions: int = 0
     load_s: float = 0.0
+    bytes: int = 0  # its weights' (and its draft's) memory: estimated, measured once loaded
     requests: int = 0  # submitted to its engine
     tokens: int = 0  # output tokens of its finished requests
     pinned: bool = False  # never unloaded to make room or for its TTL (the spec's, or set)
@@ -80,6 +81,33 @@ def card_of(config: dict[str, Any]) -> dict[str, Any]:
             "context_length": int(config.get("max_position_embeddings") or 2048)}
 
 
+def weight_bytes(engine: Any) -> int:
+    """The bytes of a loaded engine's parameters: its target's and its own draft's."""
+    from mlx.utils import tree_flatten
+
+    models = [engine.target] + ([engine.draft] if getattr(engine, "draft", None) is not None
+                                and engine.draft is not engine.target else [])
+    return sum(v.nbytes for m in models if hasattr(m, "model")
+               for _, v in tree_flatten(m.model.parameters()))
+
+
+def estimate_bytes(spec: ModelSpec) -> int:
+    """A model's weights before it loads: its (and its draft's) weight files, twice that
+    where half-precision weights are widened to float32 (`models.load` on the CPU)."""
+    from specdec.models import gpu_backend, resolve_model_path
+
+    draft = spec.config.draft_for(spec.path)
+    total = 0
+    for path in [spec.path] + ([draft] if draft not in (None, "self") else []):
+        d = resolve_model_path(path)
+        size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+        config = json.loads((d / "config.json").read_text())
+        half = str(config.get("torch_dtype", "")) in ("float16", "bfloat16")
+        total += size * 2 if half and "quantization" not in config and not gpu_backend() \
+            else size
+    return total
+
+
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere
     nothing): without it an unloaded model's freed tokenizer and loading buffers stay in
@@ -96,12 +124,15 @@ class Fleet:
     Args:
         catalog: the models by name. loader: a spec's engine (loaded, not started).
         max_loaded: most models resident at once (None: no limit).
+        memory_budget: most bytes of weights resident at once (None: no limit): a model
+            counts its weight files' size until loaded (twice that for half-precision
+            weights the CPU backend widens), then its parameters' bytes.
         loaded: engines already loaded, by model name (a single-model server's).
     """
 
     def __init__(self, catalog: Catalog, loader: Callable[[ModelSpec], Any],
-                 max_loaded: int | None = None, loaded: dict[str, Any] | None = None
-                 ) -> None:
+                 max_loaded: int | None = None, loaded: dict[str, Any] | None = None,
+                 memory_budget: int | None = None) -> None:
         from specdec.models import resolve_model_path
 
         from .door import PromptBound
@@ -109,6 +140,7 @@ class Fleet:
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"--max-loaded {max_loaded}: at least 1")
         self.catalog, self.loader, self.max_loaded = catalog, loader, max_loaded
+        self.memory_budget = memory_budget
         loaded = loaded or {}
         self.seats = []
         for spec in catalog.models:
@@ -122,8 +154,10 @@ class Fleet:
                 card["draft"] = "none" if d is None else "self" if d is engine.target else d.name
             else:
                 card["draft"] = spec.config.draft_for(spec.path) or "none"
-            self.seats.append(Seat(spec, card, engine,
-                                   PromptBound.of(engine) if engine is not None else None))
+            seat = Seat(spec, card, engine,
+                        PromptBound.of(engine) if engine is not None else None)
+            seat.bytes = weight_bytes(engine) if engine is not None else estimate_bytes(spec)
+            self.seats.append(seat)
         self.default = self.seat(catalog.default)
         self._start: Callable[[Any], None] = lambda engine: None
         self._lock = threading.Lock()
@@ -216,17 +250,29 @@ class Fleet:
         after making room."""
         if seat.loading is not None:
             return seat.loading
-        if self.max_loaded is not None:
-            resident = [s for s in self.seats if s.engine is not None or s.loading is not None]
-            while len(resident) >= self.max_loaded:
-                idle = [s for s in resident if s.engine is not None and self._idle(s)]
-                if not idle:
-                    raise ModelsBusy(f"model {seat.name!r} cannot load: the {len(resident)} "
-                                     "loaded models (the most with --max-loaded) are in use "
-                                     "or pinned")
-                victim = min(idle, key=lambda s: s.last_used)
-                self._unload(victim, "to make room for " + repr(seat.name))
-                resident.remove(victim)
+        budget, most = self.memory_budget, self.max_loaded
+        if budget is not None and seat.bytes > budget:
+            raise ModelLoadError(f"model {seat.name!r} needs {seat.bytes >> 20} MB of "
+                                 f"weights, over the memory budget ({budget >> 20} MB)")
+        resident = [s for s in self.seats if s.engine is not None or s.loading is not None]
+
+        def full() -> str | None:
+            if most is not None and len(resident) >= most:
+                return f"{len(resident)} models are loaded (--max-loaded {most})"
+            used = sum(s.bytes for s in resident)
+            if budget is not None and used + seat.bytes > budget:
+                return (f"it needs {seat.bytes >> 20} MB and the loaded models hold "
+                        f"{used >> 20} MB of the {budget >> 20} MB memory budget")
+            return None
+
+        while (why := full()) is not None:
+            idle = [s for s in resident if s.engine is not None and self._idle(s)]
+            if not idle:
+                raise ModelsBusy(f"model {seat.name!r} cannot load: {why}, and every loaded "
+                                 "model is in use or pinned")
+            victim = min(idle, key=lambda s: s.last_used)
+            self._unload(victim, "to make room for " + repr(seat.name))
+            resident.remove(victim)
         seat.loading = self._loads.submit(self._load, seat)
         return seat.loading
 
@@ -276,6 +322,7 @@ class Fleet:
             raise
         with self._lock:
             seat.engine, seat.bound, seat.loading = engine, bound, None
+            seat.bytes = weight_bytes(engine)
             seat.loads += 1
             seat.load_s += time.perf_counter() - t0
         log.info("loaded model %r in %.2fs", seat.name, time.perf_counter() - t0)

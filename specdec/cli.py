@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-loaded", type=int, default=None, metavar="N",
                    help="most models loaded at once; the least recently used idle one is "
                         "unloaded to make room, never a pinned one (default: no limit)")
+    s.add_argument("--memory-budget", default="auto", metavar="MB|auto|none",
+                   help="most megabytes of model weights loaded at once, made room for as "
+                        "for --max-loaded ('auto', the default: half the machine's memory)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
@@ -460,6 +463,7 @@ def serve_target(args: argparse.Namespace, shard_group: Any = None) -> Any:
     cat = build(args.model, args.models_file, args.default_model, engine_config(args))
     if args.max_loaded is not None and args.max_loaded < 1:
         raise ModelConfigError(f"--max-loaded {args.max_loaded}: at least 1")
+    budget = memory_budget(args.memory_budget)
     if len(cat.models) == 1:
         spec = cat.models[0]
         engine = Engine.load(spec.path, spec.config, shard_group=shard_group)
@@ -468,7 +472,32 @@ def serve_target(args: argparse.Namespace, shard_group: Any = None) -> Any:
         return Fleet(cat, lambda m: Engine.load(m.path, m.config), loaded={spec.name: engine})
     if shard_group is not None:
         raise ModelConfigError("a sharded target (specdec launch) serves one model")
-    return Fleet(cat, lambda m: Engine.load(m.path, m.config), args.max_loaded)
+    return Fleet(cat, lambda m: Engine.load(m.path, m.config), args.max_loaded,
+                 memory_budget=budget)
+
+
+MEMORY_BUDGET_SHARE = 0.5  # of the machine's memory, for --memory-budget auto
+
+
+def memory_budget(value: str) -> int | None:
+    """--memory-budget in bytes (None: no limit)."""
+    import os
+
+    from .errors import ModelConfigError
+
+    if value == "none":
+        return None
+    if value == "auto":
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                   * MEMORY_BUDGET_SHARE)
+    try:
+        mb = int(value)
+    except ValueError:
+        mb = 0
+    if mb < 1:
+        raise ModelConfigError(f"--memory-budget {value!r}: megabytes (an integer >= 1), "
+                               "'auto' or 'none'")
+    return mb << 20
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -205,6 +205,35 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(dirs, embed
         srv.stop()
 
 
+def test_a_memory_budget_that_holds_two_of_three_unloads_the_least_recently_used(
+        tmp_path, embedded):
+    names = ("q0", "q1", "q2")  # one family, three seeds: the same size
+    specs = [ModelSpec(n, str(make_family("qwen2.5", tmp_path / n, seed=i)), BASE)
+             for i, n in enumerate(names)]
+    size = Fleet(Catalog(tuple(specs), "q0"), Loader(embedded)).seats[0].bytes
+    loader = Loader(embedded)
+    fleet = Fleet(Catalog(tuple(specs), "q0"), loader, memory_budget=int(size * 2.5))
+    srv = InProcess(create_app(fleet, ServeConfig()), fleet)
+    try:
+        for name, resident in (("q0", {"q0"}), ("q1", {"q0", "q1"}), ("q0", {"q0", "q1"}),
+                               ("q2", {"q0", "q2"}), ("q1", {"q2", "q1"})):
+            assert ask(srv, "chat", name).status_code == 200
+            assert loaded(srv) == resident, name
+        assert all(0.9 * size < s.bytes <= size for s in fleet.seats)  # measured once loaded
+        assert loader.loads == {"q0": 1, "q1": 2, "q2": 1}
+    finally:
+        srv.stop()
+    # A model over the budget alone never loads: a 503 naming it and the sizes.
+    fleet = Fleet(Catalog(tuple(specs), "q0"), Loader(embedded), memory_budget=size // 2)
+    srv = InProcess(create_app(fleet, ServeConfig()), fleet)
+    try:
+        r = ask(srv, "messages", "q1")
+        assert r.status_code == 503 and "'q1' needs" in r.json()["error"]["message"]
+        assert "over the memory budget" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
 def test_a_pinned_model_is_never_unloaded(dirs, embedded):
     loader = Loader(embedded)
     srv = serve([ModelSpec("qwen", dirs["qwen"], BASE, pinned=True),
@@ -440,3 +469,13 @@ def test_memory_comes_back_after_an_unload(serve, embedded, tmp_path):
           f"{after_ttl:.0f}, loads of b/a/b/a/b {[round(x) for x in cycled]}")
     assert after_ttl - before < 0.35 * size  # the unloaded model's memory came back
     assert max(cycled) - loaded < 0.5 * size  # never a second model's worth resident
+
+
+def test_the_memory_budget_flag():
+    from specdec.cli import memory_budget
+
+    assert memory_budget("100") == 100 << 20 and memory_budget("none") is None
+    assert memory_budget("auto") > 0
+    for bad in ("0", "-5", "8G", ""):
+        with pytest.raises(ModelConfigError, match="--memory-budget"):
+            memory_budget(bad)
