@@ -186,6 +186,7 @@ class Fleet:
 
     # -- routing ---------------------------------------------------------------------------
     def seat(self, name: str) -> Seat:
+        """The seat of a configured name or alias."""
         spec = self.catalog.named(name)
         return next(s for s in self.seats if s.spec is spec)
 
