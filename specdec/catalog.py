@@ -1,5 +1,6 @@
-"""The models a server serves by name: `--model NAME=PATH` flags and a models file (TOML or
-JSON), checked whole before the server starts.
+"""The models a server serves by name: `--model NAME=PATH` flags, models folders (each
+model directory in one, named by its directory) and a models file (TOML or JSON), checked
+whole before the server starts.
 
 A models file:
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -73,10 +75,10 @@ class Catalog:
 
 
 def build(flags: list[str], files: list[str], default: str | None,
-          base: EngineConfig) -> Catalog:
-    """The catalog of `--model` flags (`NAME=PATH` or `PATH`) and models files, all with
-    `base`'s settings unless a file's entry replaces some; the default is `default`, else
-    the file's, else the first model.
+          base: EngineConfig, folders: Sequence[str] = ()) -> Catalog:
+    """The catalog of `--model` flags (`NAME=PATH` or `PATH`), models folders and models
+    files, all with `base`'s settings unless a file's entry replaces some; the default is
+    `default`, else the file's, else the first model.
 
     Raises:
         ModelConfigError: what is wrong, and where.
@@ -85,6 +87,13 @@ def build(flags: list[str], files: list[str], default: str | None,
     for flag in flags:
         name, _, path = flag.rpartition("=") if _named(flag) else ("", "", flag)
         specs.append(ModelSpec(name or _served_name(path, "--model"), path, base))
+    for folder in folders:
+        found = sorted(d for d in Path(folder).expanduser().iterdir()
+                       if (d / "config.json").exists()) if Path(folder).is_dir() else []
+        if not found:
+            raise ModelConfigError(f"--models-dir {folder}: no model directories (with a "
+                                   "config.json) in it")
+        specs.extend(ModelSpec(d.name, str(d), base) for d in found)
     for f in files:
         more, chosen = read_file(Path(f), base)
         specs.extend(more)

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models to serve, from a TOML or JSON file (path, aliases, draft, "
                         "chat_template, reasoning_format, max_kv_tokens, pinned, ttl; see "
                         "README)")
+    s.add_argument("--models-dir", action="append", default=[], metavar="DIR",
+                   help="serve every model directory in DIR (one with a config.json), each "
+                        "named by its directory (repeatable)")
     s.add_argument("--default-model", default=None, metavar="NAME",
                    help="what model \"default\" and a request naming no model mean "
                         "(default: the file's 'default', else the first model)")
@@ -460,14 +463,15 @@ def serve_target(args: argparse.Namespace, shard_group: Any = None) -> Any:
     from .engine import Engine
     from .errors import ModelConfigError
 
-    cat = build(args.model, args.models_file, args.default_model, engine_config(args))
+    cat = build(args.model, args.models_file, args.default_model, engine_config(args),
+                args.models_dir)
     if args.max_loaded is not None and args.max_loaded < 1:
         raise ModelConfigError(f"--max-loaded {args.max_loaded}: at least 1")
     budget = memory_budget(args.memory_budget)
     if len(cat.models) == 1:
         spec = cat.models[0]
         engine = Engine.load(spec.path, spec.config, shard_group=shard_group)
-        if spec.name == engine.target.name and not spec.aliases and not args.models_file:
+        if spec.name == engine.target.name and not args.models_file and not args.models_dir:
             return engine
         return Fleet(cat, lambda m: Engine.load(m.path, m.config), loaded={spec.name: engine})
     if shard_group is not None:

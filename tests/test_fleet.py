@@ -410,6 +410,18 @@ def test_a_malformed_models_file_names_file_line_and_field(tmp_path, dirs, text,
     assert where in str(e.value) and (str(f) in str(e.value) or "default model" in where)
 
 
+def test_a_models_folder_serves_each_model_directory_in_it(tmp_path, dirs):
+    import shutil
+
+    for name in ("qwen", "llama"):
+        shutil.copytree(dirs[name], tmp_path / "models" / name)
+    (tmp_path / "models" / "notes").mkdir()  # no config.json: not a model
+    cat = build([], [], "llama", BASE, [str(tmp_path / "models")])
+    assert [m.name for m in cat.models] == ["llama", "qwen"] and cat.default == "llama"
+    with pytest.raises(ModelConfigError, match="no model directories"):
+        build([], [], None, BASE, [str(tmp_path / "models" / "notes")])
+
+
 def test_duplicate_names_and_foreign_drafts_are_refused_at_start(tmp_path, dirs):
     with pytest.raises(ModelConfigError, match="'x' names two models"):
         build([f"x={dirs['qwen']}", f"x={dirs['llama']}"], [], None, BASE)
