@@ -213,7 +213,7 @@ def text_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
     spec["padding"] = spec["truncation"] = None
     text = Tokenizer.from_str(json.dumps(spec))
 
-    class _Text:
+    class _Greedy:
         eos_token_id = list(eos_token_ids)[0]
         bos_token_id = None
         special_token_ids = special
@@ -222,11 +222,21 @@ def text_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
             self.tokens = tokens
 
         def __call__(self, s: str) -> list[int]:
+            return list(text.encode(s, add_special_tokens=False).ids)
+
+    class _Text(_Greedy):
+        def __call__(self, s: str) -> list[int]:
             ids = text.encode(s, add_special_tokens=False).ids
             # A model whose text pieces include a special id (an unknown-piece token, byte
             # pieces registered as special): spell it with text tokens instead.
-            return ids if special_set.isdisjoint(ids) else llt.greedy_tokenize(s)
+            return ids if special_set.isdisjoint(ids) else greedy.greedy_tokenize(s)
 
+    # The fallback spells text with a second LLTokenizer over the same tokens: were it `llt`
+    # itself, `llt` would hold (in Rust, which Python's collector cannot see) a callback
+    # that holds `llt`, and neither would ever be freed (~30 MB each time a model loads).
+    # (`greedy` is only asked to tokenize greedily, which reads its tokens alone.)
+    greedy = LLTokenizer(TokenizerWrapper(_Greedy()), n_vocab=n_vocab,
+                         eos_token=list(eos_token_ids))
     llt = LLTokenizer(TokenizerWrapper(_Text()), n_vocab=n_vocab, eos_token=list(eos_token_ids))
     names = {tokens[i].decode("utf-8", "replace"): i for i in special if tokens[i]}
     return llt, {n: i for n, i in names.items() if not _UNNAMED.fullmatch(n)}

@@ -487,7 +487,8 @@ def test_memory_comes_back_after_an_unload(serve, embedded, tmp_path):
     print(f"RSS MB: before {before:.0f}, loaded {loaded:.0f}, after the TTL unload "
           f"{after_ttl:.0f}, loads of b/a/b/a/b {[round(x) for x in cycled]}")
     assert after_ttl - before < 0.35 * size  # the unloaded model's memory came back
-    assert max(cycled) - loaded < 0.5 * size  # never a second model's worth resident
+    # No second model's worth resident, and little left behind per load (measured: ~5 MB)
+    assert max(cycled) - loaded < 0.15 * size
 
 
 def test_the_memory_budget_flag():
