@@ -29,6 +29,8 @@ REQUIRED = (
     "tree_over_chain_c1", "tree_over_chain_c8", "accepted_per_round_chain",
     "accepted_per_round_tree", "serving_tree_over_chain_c1", "serving_tree_over_chain_c8",
     "budget_on_over_off", "budget_closing_p50_ms", "budget_closing_p99_ms",
+    "models_ttft_cold_s", "models_ttft_loaded_s", "models_tok_s_each_alone",
+    "models_tok_s_two_together",
 )
 
 
