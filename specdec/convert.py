@@ -159,7 +159,10 @@ def _byte_level_bpe(meta: dict[str, Any], tokens: list[str]) -> Any:
         raise ConversionError(f"BPE pre-tokenizer {pre!r} is not supported "
                               f"(supported: {', '.join(sorted(k for k in _BPE_PRE if k))})")
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if any(len(m) != 2 or "".join(m) not in vocab for m in merges):
+        raise ConversionError("BPE merges that do not make tokens of the vocabulary")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges,
                                fuse_unk=False, byte_fallback=False))
     split = _BPE_PRE[pre]
     if split is None:
@@ -350,16 +353,16 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
               flush=True)
     reader = GGUFReader(gguf)
     meta = read_metadata(reader)
+    config = build_config(meta, "float32", permuted_qk=False)
+    tokenizer_json, tokenizer_cfg = build_tokenizer_files(meta)
     native = {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES
-    if meta.get("general.architecture") == "llama" and native:
+    if config["model_type"] == "llama" and native:
         arrays, meta = mx.load(str(gguf), return_metadata=True)
         config = build_config(meta, fmt)
         weights, quant = convert_weights(arrays, fmt)
     else:
-        config = build_config(meta, "float32", permuted_qk=False)
         weights, quant = dequantized_weights(reader, config, progress), None
         config["vocab_size"] = weights["model.embed_tokens.weight"].shape[0]
-    tokenizer_json, tokenizer_cfg = build_tokenizer_files(meta)
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     if quant is not None:
         config["quantization"] = quant

@@ -258,12 +258,14 @@ FAMILIES: dict[str, tuple[str, Any]] = {
 
 def make_family(name: str, out: Path, seed: int = 0, think: bool = False,
                 template: str | None = None, scale: float = 8.0, tokenizer: str | None = None,
-                eos: tuple[str, ...] | None = None) -> Path:
+                eos: tuple[str, ...] | None = None, sizes: dict[str, Any] | None = None
+                ) -> Path:
     """Write family `name`'s model directory to `out` (random weights from `seed`); `think`:
     its tokenizer has the think tokens; `template`: its chat template instead of the
     family's; `scale`: the embeddings' and head's factor (smaller: flatter choices);
     `tokenizer`: a TOKENIZERS kind instead of the family's; `eos`: the tokens that end
-    generation (generation_config.json) instead of the kind's EOS and end of turn."""
+    generation (generation_config.json) instead of the kind's EOS and end of turn; `sizes`:
+    config values instead of the tiny defaults (e.g. rows as wide as a K-quant block)."""
     from mlx_lm.utils import _get_classes
 
     tok_name, config_of = FAMILIES[name]
@@ -273,7 +275,7 @@ def make_family(name: str, out: Path, seed: int = 0, think: bool = False,
     vocab = make_tokenizer(kind, out, think=think)
     tok = json.loads((out / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    config = config_of(vocab)
+    config = config_of(vocab) | (sizes or {})
     config["eos_token_id"] = ids[kind.eos]
     if kind.bos:
         config["bos_token_id"] = ids[kind.bos]

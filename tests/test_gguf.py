@@ -1,0 +1,281 @@
+"""GGUF files as users have them, written here with llama.cpp's own `gguf` writer from the
+random-weight mlx-lm families (tests/families.py): llama (Q/K permuted as llama.cpp writes
+them), mistral (a llama GGUF with a SentencePiece vocabulary), qwen2, qwen3 (q/k norms), in
+F16, Q8_0, Q4_0, Q4_K and Q6_K, with byte-level BPE and SentencePiece-style vocabularies.
+
+The converted model must compute what the source model computes with the file's weights
+(the source's weights rounded through the file's type), its tokenizer must encode and decode
+as the source tokenizer, its template (from the metadata) must render, and constrained
+decoding and speculation must hold on it.
+
+The `gguf` package quantizes only the legacy types in numpy; K-quant tensors are written as
+random blocks of their layout (sane scales), so their reference is the dequantized block.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from specdec import blas
+from specdec.convert import ConversionError, convert_gguf
+from specdec.engine import Engine
+from specdec.models import load
+from specdec.speculative import SpecConfig
+from tests.exactness import MODES, run_cells
+from tests.families import TOKENIZERS, make_family
+from tests.test_families import CELLS, MAX_TOKENS, MESSAGES, SCHEMA
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+ARCH = {"llama3-tied": "llama", "mistral": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3"}
+SIZES = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}  # K-quant rows: 256
+NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Byte offsets of the f16 super-block scales in a K-quant block (d, then dmin where it has one).
+K_SCALES = {Q.Q4_K: ((0, 1e-4), (2, 1e-4)), Q.Q6_K: ((208, 3e-5),)}
+TEXT = ("  Héllo wörld, naïve café — crème brûlée 東京の天気 数据 🙂👍🏽 안녕\n"
+        "def f(x):\n    return {\"a\": x ** 2}  # 12345\n\t tabs   and  spaces ")
+
+
+def gguf_name(hf: str) -> str:
+    stem, _, suffix = hf.rpartition(".")
+    if stem in TOP:
+        return f"{TOP[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{NAMES[rest]}.{suffix}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of llama Q/K rows."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def quantized(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """The file's bytes of `w` in `qtype` (K-quants: random blocks with small scales)."""
+    if qtype not in K_SCALES:
+        return gguf.quants.quantize(w, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
+    for offset, scale in K_SCALES[qtype]:
+        d = np.full(raw.shape[:2], scale, dtype=np.float16) * rng.uniform(0.5, 1.5, raw.shape[:2])
+        raw[..., offset:offset + 2] = d.astype(np.float16).view(np.uint8).reshape(
+            *raw.shape[:2], 2)
+    return raw.reshape(w.shape[0], -1)
+
+
+def write_gguf(src: Path, family: str, qtype: Q, path: Path) -> dict[str, mx.array]:
+    """Write `src` (an mlx-lm directory) as a GGUF in `qtype`; returns the float32 weights the
+    file holds, under HF names and in HF row order."""
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((src / "config.json").read_text())
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    arch = ARCH[family]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
+    kind = TOKENIZERS[{"llama3-tied": "llama3", "mistral": "mistral"}.get(family, "chatml")]
+    if kind.byte_level:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        model = json.loads(tok.to_str())["model"]
+        w.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                            for m in model["merges"]])
+        types = [3 if added.get(t) else 4 if t in added else 1 for t in tokens]
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_scores([-float(i) for i in range(len(tokens))])
+        types = [2 if t == "<unk>" else 6 if t.startswith("<0x") else
+                 3 if added.get(t) else 4 if t in added else 1 for t in tokens]
+        w.add_unk_token_id(vocab["<unk>"])
+        w.add_add_space_prefix(True)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if kind.bos:
+        w.add_bos_token_id(vocab[kind.bos])
+    w.add_eos_token_id(vocab[kind.eos])
+    w.add_add_bos_token(kind.bos is not None)
+    w.add_chat_template(tok_cfg["chat_template"])
+
+    rng = np.random.default_rng(0)
+    held: dict[str, mx.array] = {}
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for name, value in sorted(mx.load(str(src / "model.safetensors")).items()):
+        x = np.array(value.astype(mx.float32))
+        if x.ndim == 1:
+            data, dtype, held[name] = x, Q.F32, mx.array(x)
+        else:
+            data = x.astype(np.float16) if qtype == Q.F16 else quantized(x, qtype, rng)
+            dtype = qtype
+            held[name] = mx.array(gguf.quants.dequantize(data, qtype).astype(np.float32))
+            proj = name.split(".")[-2]
+            if arch == "llama" and proj in heads:
+                data = permute(data, heads[proj])
+        w.add_tensor(gguf_name(name), data, raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+def source_with(src: Path, weights: dict[str, mx.array]):
+    """The source model (mlx-lm's class and config) holding `weights`."""
+    target = load(str(src))
+    target.model.load_weights(list(weights.items()), strict=True)
+    mx.eval(target.model.parameters())
+    return target
+
+
+# (family, type): every family in F16 and a K-quant, every type on some family.
+CASES = [("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.Q8_0), ("qwen2.5", Q.Q6_K),
+         ("mistral", Q.F16), ("mistral", Q.Q4_0), ("mistral", Q.Q6_K),
+         ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    made: dict = {}
+
+    def get(family: str, qtype: Q):
+        if (family, qtype) not in made:
+            src = root / family
+            if not (src / "config.json").exists():
+                make_family(family, src, sizes=SIZES)
+            path = root / f"{family}-{qtype.name}.gguf"
+            held = write_gguf(src, family, qtype, path)
+            out = convert_gguf(path, root / f"{family}-{qtype.name}", progress=False)
+            made[family, qtype] = (src, held, out)
+        return made[family, qtype]
+    return get
+
+
+@pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{q.name}" for f, q in CASES])
+def test_converted_gguf_computes_what_the_source_computes(converted, family, qtype):
+    src, held, out = converted(family, qtype)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == ARCH[family]  # mistral is written (and runs) as llama
+    # An all-native llama file keeps MLX's reader (the embedded model's path), which
+    # dequantizes block types in float16 arithmetic, and GGUF's Q/K order with interleaved
+    # RoPE: F16 agrees up to float32 summation order, Q4_0/Q8_0 within float16 rounding of
+    # each weight. Otherwise the weights are dequantized in numpy on both sides: the same
+    # float32 weights, the same computation, bit for bit.
+    native = ARCH[family] == "llama" and qtype in (Q.F16, Q.Q4_0, Q.Q8_0)
+    assert cfg["rope_traditional"] is native
+    got = load(str(out))
+    want = source_with(src, held)
+    ids = mx.array([want.tokenizer.encode(TEXT)])
+    a, b = got.model(ids), want.model(ids)
+    if native:
+        rel = float(mx.abs(a - b).max() / mx.abs(b).max())
+        assert rel < (1e-5 if qtype == Q.F16 else 5e-3), rel
+    else:
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    if qtype not in K_SCALES:  # against the unrounded source: within the type's error
+        exact = load(str(src)).model(ids)
+        tol = {Q.F16: 0.02, Q.Q8_0: 0.05, Q.Q4_0: 0.5}[qtype]
+        rel = float(mx.abs(a - exact).max() / mx.abs(exact).max())
+        assert rel < tol, rel
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "llama3-tied"])
+def test_tokenizer_and_template_from_metadata_equal_the_sources(converted, family):
+    from transformers import PreTrainedTokenizerFast
+
+    src, _, out = converted(family, Q.Q4_K if family != "mistral" else Q.Q6_K)
+    theirs = load(str(src)).tokenizer
+    ours = load(str(out)).tokenizer
+    for text in (TEXT, "x", " leading", "<|im_start|>user\nhi<|im_end|>", "🦀𝔘ǅẞ 鑫 Ꙭ"):
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ours.encode(text, add_special_tokens=False)) == \
+            theirs.decode(theirs.encode(text, add_special_tokens=False))
+    if family != "mistral":  # SentencePiece decoding drops the first of two leading spaces
+        assert ours.decode(ours.encode(TEXT, add_special_tokens=False)) == TEXT
+    assert isinstance(ours, PreTrainedTokenizerFast)
+    chat = [{"role": "user", "content": "Hi 東京"}, {"role": "assistant", "content": "🙂"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == \
+        theirs.apply_chat_template(chat, tokenize=False)
+    assert load(str(out)).eos_token_ids  # from metadata
+
+
+@pytest.mark.parametrize("family,qtype", [("qwen3", Q.Q4_K), ("mistral", Q.Q6_K)],
+                         ids=["qwen3-Q4_K", "mistral-Q6_K"])
+def test_constrained_decoding_and_speculation_hold_on_a_converted_gguf(converted, family,
+                                                                         qtype):
+    assert blas.active() == "reference"
+    _, _, out = converted(family, qtype)
+    target = load(str(out))
+    engines = {"self": Engine(target, target), "none": Engine(target, None)}
+    engines["self"].compiler = engines["none"].compiler
+    e = engines["none"]
+    ids = e.chat_prompt(MESSAGES, constrained=True)
+    bad: list[str] = []
+    for params in MODES.values():
+        bad += run_cells(engines, ids, SCHEMA, params, MAX_TOKENS, CELLS,
+                         f"gguf: spec cells vs plain ({family} {qtype.name})")
+    assert not bad, "\n".join(bad)
+    got = engines["self"].generate(engines["self"].prepare(
+        ids, constraint=SCHEMA, max_tokens=MAX_TOKENS, spec=SpecConfig(4, lookup=True)))
+    assert got.stats.proposed > 0
+    text = target.tokenizer.decode(list(got.tokens))
+    if got.finish_reason == "stop":
+        json.loads(text)
+
+
+def test_unsupported_architecture_tensor_type_and_tokenizer_are_named(tmp_path):
+    def write(name: str, arch: str, tokenizer: str, qtype: Q) -> Path:
+        w = gguf.GGUFWriter(str(tmp_path / name), arch)
+        for key, value in (("block_count", 1), ("context_length", 64),
+                           ("embedding_length", 32), ("feed_forward_length", 32),
+                           ("attention.head_count", 2)):
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+        w.add_tokenizer_model(tokenizer)
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_types([1, 1, 1])
+        w.add_token_merges(["a b"])
+        x = np.zeros((2, 32), dtype=np.float32)
+        data = x if qtype == Q.F32 else np.zeros((2, 32 // 32 * 18), dtype=np.uint8)
+        w.add_tensor("token_embd.weight", data, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    cases = [(write("a.gguf", "mamba", "gpt2", Q.F32), "architecture 'mamba'"),
+             (write("t.gguf", "qwen2", "gpt2", Q.IQ4_NL), "type IQ4_NL"),
+             (write("k.gguf", "qwen2", "rwkv", Q.F32), "tokenizer model 'rwkv'")]
+    for path, message in cases:
+        with pytest.raises(ConversionError, match=message):
+            convert_gguf(path, tmp_path / (path.stem + "-out"), progress=False)
+        assert not (tmp_path / (path.stem + "-out")).exists()
