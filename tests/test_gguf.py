@@ -15,12 +15,13 @@ random blocks of their layout (sane scales), so their reference is the dequantiz
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from specdec import blas
 from specdec.convert import ConversionError, convert_gguf
@@ -279,3 +280,38 @@ def test_unsupported_architecture_tensor_type_and_tokenizer_are_named(tmp_path):
         with pytest.raises(ConversionError, match=message):
             convert_gguf(path, tmp_path / (path.stem + "-out"), progress=False)
         assert not (tmp_path / (path.stem + "-out")).exists()
+
+
+def test_a_gguf_path_converts_once_into_the_cache_and_the_cli_names_what_is_refused(
+        converted, tmp_path, monkeypatch, capsys):
+    from specdec import convert
+
+    src, _, _ = converted("qwen3", Q.Q4_K)
+    path = tmp_path / "user.gguf"
+    write_gguf(src, "qwen3", Q.Q4_K, path)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    first = load(str(path))
+    assert first.path.parent == tmp_path / "cache" / "models"
+    assert first.path.name.startswith("user-") and first.config["model_type"] == "qwen3"
+    assert "conversion done" in capsys.readouterr().err
+
+    def no_second_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(convert, "dequantized_weights", no_second_conversion)
+    again = load(str(path))
+    assert again.path == first.path
+    assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # no leftovers
+
+    bad = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(bad), "rwkv6")
+    w.add_tensor("token_embd.weight", np.zeros((2, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    run = subprocess.run([sys.executable, "-m", "specdec", "generate", "--model", str(bad),
+                          "--prompt", "x"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "architecture 'rwkv6' is not supported" in run.stderr
+    assert list((tmp_path / "cache" / "models").iterdir()) == [first.path]
