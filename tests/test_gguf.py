@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from specdec import blas
-from specdec.convert import ConversionError, convert_gguf
+from specdec.convert import (ConversionError, build_tokenizer_files, convert_gguf,
+                             read_metadata)
 from specdec.engine import Engine
 from specdec.models import load
 from specdec.speculative import SpecConfig
@@ -315,3 +316,59 @@ def test_a_gguf_path_converts_once_into_the_cache_and_the_cli_names_what_is_refu
     assert run.returncode == 2, run.stderr[-2000:]
     assert "architecture 'rwkv6' is not supported" in run.stderr
     assert list((tmp_path / "cache" / "models").iterdir()) == [first.path]
+
+
+# The split of the models' own tokenizer.json, by `tokenizer.ggml.pre` (Llama 3, Qwen 2).
+SPLITS = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"
+                 r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+             r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "smollm": None,
+}
+
+
+@pytest.mark.parametrize("pre", sorted(SPLITS))
+def test_bpe_pre_tokenizer_follows_tokenizer_ggml_pre(converted, tmp_path, pre):
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    src, _, _ = converted("qwen3", Q.F16)
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    if SPLITS[pre] is None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    model = json.loads(tok.to_str())["model"]
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in added else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = Tokenizer.from_str(json.dumps(build_tokenizer_files(
+        read_metadata(gguf.GGUFReader(path)))[0]))
+    text = TEXT + " 1234567 it's   I'LL x\r\n\r\n  y"
+    assert ours.encode(text).ids == tok.encode(text).ids
+    assert ours.decode(ours.encode(text).ids) == text
+    gpt2 = Tokenizer.from_file(str(src / "tokenizer.json"))  # the split matters here
+    assert gpt2.encode(text).ids != tok.encode(text).ids
+
+
+def test_an_unknown_bpe_pre_tokenizer_is_refused():
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "tekken",
+            "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.token_type": [1],
+            "tokenizer.ggml.merges": []}
+    with pytest.raises(ConversionError, match="pre-tokenizer 'tekken'"):
+        build_tokenizer_files(meta)
