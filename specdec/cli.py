@@ -20,9 +20,9 @@ DEFAULTS = EngineConfig()  # the shipped settings every flag below defaults to
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (embedded SmolLM2-135M-Instruct), a GGUF file (llama, "
-                        "mistral, qwen2, qwen3; converted once into the cache), a local mlx-lm "
-                        "directory (quantized ones too) or a Hugging Face repo id already in "
-                        "the local Hugging Face cache (never downloaded)")
+                        "mistral, qwen2, qwen3, phi3; converted once into the cache), a local "
+                        "mlx-lm directory (quantized ones too) or a Hugging Face repo id "
+                        "already in the local Hugging Face cache (never downloaded)")
 
 
 def build_parser() -> argparse.ArgumentParser:

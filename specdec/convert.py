@@ -1,4 +1,4 @@
-"""Convert a GGUF file (llama, mistral, qwen2, qwen3) into an mlx-lm model directory.
+"""Convert a GGUF file (llama, mistral, qwen2, qwen3, phi3) into an mlx-lm model directory.
 
 Tensors are read and dequantized to float32 with the `gguf` package (llama.cpp's own reader,
 numpy only), which knows every block layout (K-quants included). A llama file whose tensors
@@ -37,7 +37,7 @@ END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "
 _TOKEN_TYPE_NORMAL, _TOKEN_TYPE_UNKNOWN, _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER = 1, 2, 3, 4
 
 # GGUF architecture -> mlx-lm model_type. Mistral GGUFs are written as `llama`.
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Tensor types MLX's own GGUF reader loads; every other file goes through the `gguf` package.
 MLX_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
 DEQUANTIZED_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -67,15 +67,18 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Phi 3 keeps Q/K/V and gate/up fused, in GGUF as in mlx-lm.
+_FUSED_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str:
-    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF llama name."""
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
+    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name in `model_type`."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _LAYER_NAMES | _FUSED_NAMES.get(model_type, {})
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if len(parts) == 1 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{suffix}"
     raise ConversionError(f"unexpected GGUF tensor {gguf_name!r}")
@@ -257,6 +260,9 @@ def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = Tr
         "specdec_converter_version": CONVERTER_VERSION,
         "specdec_weight_format": fmt,
     }
+    if arch == "phi3":  # its RoPE switches to long factors past this length
+        cfg["original_max_position_embeddings"] = int(g("rope.scaling.original_context_length",
+                                                        g("context_length")))
     scaling = g("rope.scaling.type", "none")
     if scaling != "none":
         raise ConversionError(f"{arch} GGUF with {scaling} RoPE scaling is not supported")
@@ -322,7 +328,7 @@ def dequantized_weights(reader: Any, config: dict[str, Any], progress: bool
         if config["model_type"] == "llama" and len(layer) == 4 and layer[2] in heads \
                 and layer[3] == "weight":
             w = _unpermute(w, heads[layer[2]])
-        out[hf_name(t.name)] = mx.array(w)
+        out[hf_name(t.name, config["model_type"])] = mx.array(w)
         if progress and (n + 1) % 50 == 0:
             print(f"specdec: {n + 1}/{len(reader.tensors)} tensors", file=sys.stderr,
                   flush=True)
@@ -334,7 +340,7 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
     """Convert `gguf` into an mlx-lm model directory at `out_dir`, atomically.
 
     Args:
-        gguf: path of a llama (mistral), qwen2 or qwen3 GGUF with a GPT-2 BPE or
+        gguf: path of a llama (mistral), qwen2, qwen3 or phi3 GGUF with a GPT-2 BPE or
             SentencePiece-style tokenizer.
         out_dir: final directory; must not exist yet (an existing one is returned untouched).
         fmt: `float32` (fastest on the CPU backend) or `q4` (keeps 4-bit weights MLX reads

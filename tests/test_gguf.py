@@ -1,7 +1,8 @@
 """GGUF files as users have them, written here with llama.cpp's own `gguf` writer from the
 random-weight mlx-lm families (tests/families.py): llama (Q/K permuted as llama.cpp writes
-them), mistral (a llama GGUF with a SentencePiece vocabulary), qwen2, qwen3 (q/k norms), in
-F16, Q8_0, Q4_0, Q4_K and Q6_K, with byte-level BPE and SentencePiece-style vocabularies.
+them), mistral (a llama GGUF with a SentencePiece vocabulary), qwen2, qwen3 (q/k norms) and
+phi3 (fused QKV and gate/up), in F16, Q8_0, Q4_0, Q4_K and Q6_K, with byte-level BPE and
+SentencePiece-style vocabularies.
 
 The converted model must compute what the source model computes with the file's weights
 (the source's weights rounded through the file's type), its tokenizer must encode and decode
@@ -29,6 +30,7 @@ from specdec.convert import (ConversionError, build_tokenizer_files, convert_ggu
 from specdec.engine import Engine
 from specdec.models import load
 from specdec.speculative import SpecConfig
+from tests import tally
 from tests.exactness import MODES, run_cells
 from tests.families import TOKENIZERS, make_family
 from tests.test_families import CELLS, MAX_TOKENS, MESSAGES, SCHEMA
@@ -36,12 +38,14 @@ from tests.test_families import CELLS, MAX_TOKENS, MESSAGES, SCHEMA
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-ARCH = {"llama3-tied": "llama", "mistral": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3"}
+ARCH = {"llama3-tied": "llama", "mistral": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3",
+        "phi3": "phi3"}
 SIZES = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}  # K-quant rows: 256
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Byte offsets of the f16 super-block scales in a K-quant block (d, then dmin where it has one).
@@ -156,9 +160,9 @@ def source_with(src: Path, weights: dict[str, mx.array]):
 
 
 # (family, type): every family in F16 and a K-quant, every type on some family.
-CASES = [("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.Q8_0), ("qwen2.5", Q.Q6_K),
+CASES = [("qwen3", Q.F32), ("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.Q8_0), ("qwen2.5", Q.Q6_K),
          ("mistral", Q.F16), ("mistral", Q.Q4_0), ("mistral", Q.Q6_K),
-         ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K)]
+         ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K), ("phi3", Q.Q8_0), ("phi3", Q.Q6_K)]
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +206,10 @@ def test_converted_gguf_computes_what_the_source_computes(converted, family, qty
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())
     if qtype not in K_SCALES:  # against the unrounded source: within the type's error
         exact = load(str(src)).model(ids)
-        tol = {Q.F16: 0.02, Q.Q8_0: 0.05, Q.Q4_0: 0.5}[qtype]
+        tol = {Q.F32: 1e-6, Q.F16: 0.02, Q.Q8_0: 0.05, Q.Q4_0: 0.5}[qtype]
         rel = float(mx.abs(a - exact).max() / mx.abs(exact).max())
+        tally.NOTES.append(f"gguf {family} {qtype.name}: logits vs the unrounded source, "
+                           f"max error / max logit {rel:.1e}")
         assert rel < tol, rel
 
 
