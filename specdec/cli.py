@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", action="append", default=[], metavar="[NAME=]MODEL",
                    help="a model to serve (repeatable: several are served by name, each "
                         "loaded on its first request): 'default' (embedded SmolLM2-135M-"
-                        "Instruct, served when no model is given), a local mlx-lm directory "
-                        "or a Hugging Face repo id already in the local cache; NAME= names "
-                        "it (default: its directory's name)")
+                        "Instruct, served when no model is given), a GGUF file, a local mlx-lm "
+                        "directory or a Hugging Face repo id already in the local cache; NAME= "
+                        "names it (default: its file's or directory's name)")
     s.add_argument("--models-file", action="append", default=[], metavar="FILE",
                    help="models to serve, from a TOML or JSON file (path, aliases, draft, "
                         "chat_template, reasoning_format, max_kv_tokens, pinned, ttl; see "

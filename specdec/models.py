@@ -114,13 +114,19 @@ def gguf_model_dir(gguf: Path, fmt: WeightFormat | None = None) -> Path:
     from .convert import CONVERTER_VERSION
 
     fmt = fmt or default_weight_format()
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    key = digest.hexdigest()[:16]
-    out = cache_dir() / "models" / f"{gguf.stem}-{fmt}-v{CONVERTER_VERSION}-{key}"
+    st = gguf.stat()
+    seen = (str(gguf.resolve()), st.st_size, st.st_mtime_ns)
+    if seen not in _GGUF_DIGESTS:  # one read per process: a serve resolves a path often
+        digest = hashlib.sha256()
+        with open(gguf, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        _GGUF_DIGESTS[seen] = digest.hexdigest()[:16]
+    out = cache_dir() / "models" / f"{gguf.stem}-{fmt}-v{CONVERTER_VERSION}-{_GGUF_DIGESTS[seen]}"
     return convert_gguf(gguf, out, fmt)
+
+
+_GGUF_DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
 def default_draft_dir() -> Path:
@@ -156,8 +162,10 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 def served_name(model: str | os.PathLike[str] | None, path: Path) -> str:
     """The name a model is served under when none is given: the embedded model's and its
-    draft's own names, else its directory's."""
+    draft's own names, a GGUF file's name without `.gguf`, else its directory's."""
     names = {DEFAULT_MODEL: "SmolLM2-135M-Instruct", DEFAULT_DRAFT: DEFAULT_DRAFT_NAME}
+    if model is not None and str(model).lower().endswith(".gguf"):
+        return Path(model).stem
     return names.get(str(model) if model is not None else DEFAULT_MODEL, path.name)
 
 

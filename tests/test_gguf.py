@@ -300,6 +300,7 @@ def test_a_gguf_path_converts_once_into_the_cache_and_the_cli_names_what_is_refu
     first = load(str(path))
     assert first.path.parent == tmp_path / "cache" / "models"
     assert first.path.name.startswith("user-") and first.config["model_type"] == "qwen3"
+    assert first.name == "user"  # served under the file's name
     assert "conversion done" in capsys.readouterr().err
 
     def no_second_conversion(*a, **k):
@@ -378,3 +379,24 @@ def test_an_unknown_bpe_pre_tokenizer_is_refused():
             "tokenizer.ggml.merges": []}
     with pytest.raises(ConversionError, match="pre-tokenizer 'tekken'"):
         build_tokenizer_files(meta)
+
+
+def test_served_by_name_from_a_gguf_file(converted, tmp_path):
+    from tests.serverproc import Server
+
+    src, _, _ = converted("mistral", Q.Q6_K)
+    path = tmp_path / "mistral-q6_k.gguf"
+    write_gguf(src, "mistral", Q.Q6_K, path)
+    s = Server("--model", str(path), env={"SPECDEC_CACHE": str(tmp_path / "cache")})
+    try:
+        client = s.client()
+        assert [m.id for m in client.models.list().data] == ["mistral-q6_k"]
+        r = client.chat.completions.create(
+            model="mistral-q6_k", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": SCHEMA.value}})
+        assert r.choices[0].finish_reason in ("stop", "length")
+        if r.choices[0].finish_reason == "stop":
+            json.loads(r.choices[0].message.content)
+    finally:
+        s.stop()
