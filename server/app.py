@@ -119,6 +119,7 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
                               ch.collective_s if ch is not None else None)
         if len(fleet.seats) > 1:
             text += model_metrics(fleet)
+        text += grammar_metrics(fleet)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
@@ -207,6 +208,25 @@ def model_metrics(fleet: Fleet) -> str:
             ("model_completion_tokens_total", "counter", lambda s: s.tokens)):
         lines.append(f"# TYPE specdec_{name} {kind}")
         lines += [f'specdec_{name}{{model="{s.name}"}} {value(s):g}' for s in fleet.seats]
+    return "\n".join(lines) + "\n"
+
+
+def grammar_metrics(fleet: Fleet) -> str:
+    """Prometheus lines per loaded model's compiled-grammar cache: its bytes (as measured
+    when each grammar compiled), its size limit, the grammars it holds, and the compiles,
+    reuses and evictions so far."""
+    seats = [(s.name, c) for s in fleet.seats
+             if (c := getattr(s.engine, "compiler", None)) is not None]
+    lines = []
+    for name, kind, value in (
+            ("grammar_cache_bytes", "gauge", lambda c: c.cached_bytes),
+            ("grammar_cache_limit_bytes", "gauge", lambda c: c.cache_bytes),
+            ("grammar_cache_grammars", "gauge", lambda c: c.cached),
+            ("grammar_compiles_total", "counter", lambda c: c.misses),
+            ("grammar_cache_hits_total", "counter", lambda c: c.hits),
+            ("grammar_cache_evictions_total", "counter", lambda c: c.evictions)):
+        lines.append(f"# TYPE specdec_{name} {kind}")
+        lines += [f'specdec_{name}{{model="{n}"}} {value(c)}' for n, c in seats]
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,7 @@
 """The models a server serves, by name: each loaded on its first request, at most
-`max_loaded` resident and at most `memory_budget` bytes of weights, the least recently used
-idle one unloaded to make room, an idle one unloaded past its TTL, a pinned one never.
+`max_loaded` resident and at most `memory_budget` bytes of weights and grammar caches, the
+least recently used idle one unloaded to make room, an idle one unloaded past its TTL, a
+pinned one never.
 
 Each loaded model is an `Engine` of its own: its tokenizer, grammar compiler, chat template,
 reasoning and tool formats, draft, KV budget and scheduler thread. One scheduler per model,
@@ -59,7 +60,8 @@ class Seat:
     loads: int = 0
     evictions: int = 0
     load_s: float = 0.0
-    bytes: int = 0  # its weights' (and its draft's) memory: estimated, measured once loaded
+    bytes: int = 0  # what it may hold: its weights' (and its draft's) bytes, estimated then
+    # measured once loaded, and its compiled-grammar cache's size (`footprint`)
     requests: int = 0  # submitted to its engine
     tokens: int = 0  # output tokens of its finished requests
     pinned: bool = False  # never unloaded to make room or for its TTL (the spec's, or set)
@@ -91,9 +93,17 @@ def weight_bytes(engine: Any) -> int:
                for _, v in tree_flatten(m.model.parameters()))
 
 
+def footprint(engine: Any) -> int:
+    """What a loaded engine may hold: its weights and its compiled-grammar cache, full (the
+    cache fills as requests bring grammars, and only an unload empties it)."""
+    compiler = getattr(engine, "compiler", None)
+    return weight_bytes(engine) + (compiler.cache_bytes if compiler is not None else 0)
+
+
 def estimate_bytes(spec: ModelSpec) -> int:
-    """A model's weights before it loads: its (and its draft's) weight files, twice that
-    where half-precision weights are widened to float32 (`models.load` on the CPU)."""
+    """What a model will hold before it loads: its (and its draft's) weight files, twice
+    that where half-precision weights are widened to float32 (`models.load` on the CPU),
+    and its compiled-grammar cache's size."""
     from specdec.models import gpu_backend, resolve_model_path
 
     draft = spec.config.draft_for(spec.path)
@@ -105,7 +115,7 @@ def estimate_bytes(spec: ModelSpec) -> int:
         half = str(config.get("torch_dtype", "")) in ("float16", "bfloat16")
         total += size * 2 if half and "quantization" not in config and not gpu_backend() \
             else size
-    return total
+    return total + (spec.config.grammar_cache_mb << 20)
 
 
 def trim_heap() -> None:
@@ -124,9 +134,9 @@ class Fleet:
     Args:
         catalog: the models by name. loader: a spec's engine (loaded, not started).
         max_loaded: most models resident at once (None: no limit).
-        memory_budget: most bytes of weights resident at once (None: no limit): a model
-            counts its weight files' size until loaded (twice that for half-precision
-            weights the CPU backend widens), then its parameters' bytes.
+        memory_budget: most bytes resident at once (None: no limit): a model counts its
+            grammar cache's size and its weight files' size until loaded (twice that for
+            half-precision weights the CPU backend widens), then its parameters' bytes.
         loaded: engines already loaded, by model name (a single-model server's).
     """
 
@@ -156,7 +166,7 @@ class Fleet:
                 card["draft"] = spec.config.draft_for(spec.path) or "none"
             seat = Seat(spec, card, engine,
                         PromptBound.of(engine) if engine is not None else None)
-            seat.bytes = weight_bytes(engine) if engine is not None else estimate_bytes(spec)
+            seat.bytes = footprint(engine) if engine is not None else estimate_bytes(spec)
             self.seats.append(seat)
         self.default = self.seat(catalog.default)
         self._start: Callable[[Any], None] = lambda engine: None
@@ -253,8 +263,9 @@ class Fleet:
             return seat.loading
         budget, most = self.memory_budget, self.max_loaded
         if budget is not None and seat.bytes > budget:
-            raise ModelLoadError(f"model {seat.name!r} needs {seat.bytes >> 20} MB of "
-                                 f"weights, over the memory budget ({budget >> 20} MB)")
+            raise ModelLoadError(f"model {seat.name!r} needs {seat.bytes >> 20} MB (weights "
+                                 "and grammar cache), over the memory budget "
+                                 f"({budget >> 20} MB)")
         resident = [s for s in self.seats if s.engine is not None or s.loading is not None]
 
         def full() -> str | None:
@@ -323,7 +334,7 @@ class Fleet:
             raise
         with self._lock:
             seat.engine, seat.bound, seat.loading = engine, bound, None
-            seat.bytes = weight_bytes(engine)
+            seat.bytes = footprint(engine)
             seat.loads += 1
             seat.load_s += time.perf_counter() - t0
         log.info("loaded model %r in %.2fs", seat.name, time.perf_counter() - t0)

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "names it (default: its file's or directory's name)")
     s.add_argument("--models-file", action="append", default=[], metavar="FILE",
                    help="models to serve, from a TOML or JSON file (path, aliases, draft, "
-                        "chat_template, reasoning_format, max_kv_tokens, pinned, ttl; see "
-                        "README)")
+                        "chat_template, reasoning_format, max_kv_tokens, grammar_cache_mb, "
+                        "pinned, ttl; see README)")
     s.add_argument("--models-dir", action="append", default=[], metavar="DIR",
                    help="serve every model directory in DIR (one with a config.json), each "
                         "named by its directory (repeatable)")
@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most models loaded at once; the least recently used idle one is "
                         "unloaded to make room, never a pinned one (default: no limit)")
     s.add_argument("--memory-budget", default="auto", metavar="MB|auto|none",
-                   help="most megabytes of model weights loaded at once, made room for as "
-                        "for --max-loaded ('auto', the default: half the machine's memory)")
+                   help="most megabytes of models loaded at once (weights and grammar cache), "
+                        "made room for as for --max-loaded ('auto', the default: half the "
+                        "machine's memory)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
@@ -203,6 +204,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "max_tokens + 17 each); more wait, one that cannot fit alone is a 400 "
                         "('auto', the default: a quarter of the machine's memory; 'none': no "
                         "bound)")
+    p.add_argument("--grammar-cache-mb", type=int, default=None, metavar="MB",
+                   help="megabytes of compiled grammars each model keeps for reuse, least "
+                        "recently used dropped first, counted in --memory-budget (default "
+                        f"{DEFAULTS.grammar_cache_mb}; 0 keeps none)")
     masks = DEFAULTS.masks
     p.add_argument("--grammar-slow-mask", type=float, default=None,
                    help=f"seconds (default {masks.slow_s:g}): a request whose grammar mask "
@@ -285,6 +290,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     limit = _choice("--draft-max-batch", args.draft_max_batch, ("auto", "none"))
     if limit is not None:
         changes["draft_max_batch"] = None if limit == "none" else limit
+    if args.grammar_cache_mb is not None:
+        if args.grammar_cache_mb < 0:
+            raise SystemExit(f"specdec: error: --grammar-cache-mb {args.grammar_cache_mb}: "
+                             "megabytes (an integer >= 0)")
+        changes["grammar_cache_mb"] = args.grammar_cache_mb
     kv = _choice("--max-kv-tokens", args.max_kv_tokens, ("auto", "none"))
     if kv is not None:
         changes["max_kv_tokens"] = None if kv == "none" else kv

@@ -18,6 +18,7 @@ from .types import MAX_DRAFT_TOKENS
 MAX_TREE_NODES = 32
 DEFAULT_MODEL = "default"  # the embedded model (`models.load`)
 DEFAULT_DRAFT = "default-draft"  # its shipped distilled draft
+GRAMMAR_CACHE_MB = 256  # compiled grammars kept per model (`EngineConfig.grammar_cache_mb`)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ class EngineConfig:
         max_kv_tokens: most KV positions decoding requests hold together ("auto": a quarter
             of the machine's memory; None: no bound).
         parser_limits: llguidance's parser limits, by name (None: `grammar.PARSER_LIMITS`).
+        grammar_cache_mb: megabytes of compiled grammars kept for reuse (least recently
+            used dropped first; `grammar.GrammarCompiler`).
     """
 
     draft: str = "auto"
@@ -187,6 +190,7 @@ class EngineConfig:
     masks: MaskBudget = MaskBudget()
     max_kv_tokens: int | None | Literal["auto"] = "auto"
     parser_limits: dict[str, int] | None = None
+    grammar_cache_mb: int = GRAMMAR_CACHE_MB
 
     def draft_for(self, model: str) -> str | None:
         """The draft to load for target `model` ("self" or a name), or None."""

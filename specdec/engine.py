@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .config import LIMITS, EngineConfig, EngineDefaults, MaskBudget, SpecConfig
+from .config import (GRAMMAR_CACHE_MB, LIMITS, EngineConfig, EngineDefaults, MaskBudget,
+                     SpecConfig)
 from .core import DecodeState, Models, new_state
 from .decode import PREFILL_CHUNK, PromptKVCache
 from .errors import CompileTimeout, DraftConfigError, RequestError
@@ -91,6 +92,8 @@ class Engine:
             scheduler's admission: `request.kv_positions`); a request that cannot fit even
             alone is a 400. "auto": a quarter of the machine's memory (`kv_budget`); None:
             no bound.
+        grammar_cache_mb: megabytes of compiled grammars kept for reuse
+            (`grammar.GrammarCompiler`).
     Raises:
         DraftConfigError: an incompatible draft.
     """
@@ -101,14 +104,16 @@ class Engine:
                  defaults: EngineDefaults = EngineDefaults(),
                  masks: MaskBudget = MaskBudget(),
                  parser_limits: dict[str, int] | None = None,
-                 max_kv_tokens: int | None | Literal["auto"] = "auto") -> None:
+                 max_kv_tokens: int | None | Literal["auto"] = "auto",
+                 grammar_cache_mb: int = GRAMMAR_CACHE_MB) -> None:
         # what it was built with (`Engine.load` sets the config it was given)
         self.config = EngineConfig(draft="none" if draft is None else
                                    "self" if draft is target else draft.name,
                                    spec=spec, jump_forward=jump_forward,
                                    draft_max_batch=draft_max_batch, defaults=defaults,
                                    masks=masks, max_kv_tokens=max_kv_tokens,
-                                   parser_limits=parser_limits)
+                                   parser_limits=parser_limits,
+                                   grammar_cache_mb=grammar_cache_mb)
         if draft is not None:
             check_draft(target, draft)
         if draft_max_batch == "auto":
@@ -124,9 +129,14 @@ class Engine:
         self.kv_store = PromptKVCache()
         self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix`
         self.tree_costs = TreeCosts()  # what branch rows cost on this machine now
+        if isinstance(grammar_cache_mb, bool) or not isinstance(grammar_cache_mb, int) \
+                or grammar_cache_mb < 0:
+            raise RequestError(f"grammar_cache_mb={grammar_cache_mb!r}: must be an integer "
+                               ">= 0", param="grammar_cache_mb")
         compiler = GrammarCompiler.for_hf_tokenizer(
             target.tokenizer, n_vocab=target.vocab_size,
-            eos_token_ids=list(target.eos_token_ids), limits=parser_limits)
+            eos_token_ids=list(target.eos_token_ids), limits=parser_limits,
+            cache_bytes=grammar_cache_mb << 20)
         context_length = int(target.config.get("max_position_embeddings") or 2048)
         if max_kv_tokens == "auto":
             max_kv_tokens = kv_budget(target, draft, context_length)
@@ -169,7 +179,8 @@ class Engine:
         engine = cls(target, draft, config.spec, jump_forward=config.jump_forward,
                      draft_max_batch=config.draft_max_batch, defaults=config.defaults,
                      masks=config.masks, parser_limits=config.parser_limits,
-                     max_kv_tokens=config.max_kv_tokens)
+                     max_kv_tokens=config.max_kv_tokens,
+                     grammar_cache_mb=config.grammar_cache_mb)
         engine.config = config
         return engine
 

@@ -10,6 +10,8 @@ llguidance's own message; nothing here returns a half-valid grammar.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import re
 import threading
@@ -25,6 +27,7 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from tokenizers import Tokenizer
 
 from .budget import ClosingOrder, need, order_of
+from .config import GRAMMAR_CACHE_MB
 from .errors import GrammarError, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
 from .request import Constraint, ConstraintKind
@@ -138,15 +141,76 @@ class CompiledGrammar:
     Attributes:
         text: the llguidance grammar text.
         warnings: what the compiler did not enforce (lenient JSON schemas).
+        nbytes: the memory it holds, as its compile measured it (`GrammarCompiler`).
     """
 
     text: str
     warnings: tuple[str, ...]
     _template: LLMatcher = field(repr=False, compare=False)
+    nbytes: int = 0
+    # the closing walk's length by hints (`GrammarCompiler.minimum`): kept with the grammar,
+    # so it goes when the grammar leaves the cache
+    _needs: dict[tuple, int | None] = field(default_factory=dict, repr=False, compare=False)
 
     def matcher(self) -> LLMatcher:
         """A fresh matcher at the start of the grammar."""
         return self._template.deep_copy()
+
+
+GRAMMAR_CACHE_BYTES = GRAMMAR_CACHE_MB << 20  # a compiler's cache of compiled grammars
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+class _MallocStatistics(ctypes.Structure):
+    _fields_ = [("blocks_in_use", ctypes.c_uint), ("size_in_use", ctypes.c_size_t),
+                ("max_size_in_use", ctypes.c_size_t), ("size_allocated", ctypes.c_size_t)]
+
+
+def _heap_reader() -> "Any":
+    """The C heap's bytes in use, read from the allocator: glibc's `mallinfo2` (every arena
+    and the mapped chunks) or macOS's default zone statistics; None where neither is there.
+    llguidance allocates through the C heap, and exposes no size of its own."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+
+        def glibc() -> int:
+            m = libc.mallinfo2()
+            return int(m.uordblks + m.hblkhd)
+        return glibc
+    if hasattr(libc, "malloc_zone_statistics"):
+        libc.malloc_zone_statistics.argtypes = [ctypes.c_void_p,
+                                                ctypes.POINTER(_MallocStatistics)]
+
+        def darwin() -> int:
+            st = _MallocStatistics()
+            libc.malloc_zone_statistics(None, ctypes.byref(st))  # every zone
+            return int(st.size_in_use)
+        return darwin
+    return None
+
+
+_HEAP = _heap_reader()
+
+
+def heap_in_use() -> int | None:
+    """The process's C heap bytes in use now (None: not measurable here)."""
+    return None if _HEAP is None else _HEAP()
+
+
+def grammar_bytes_estimate(text: str) -> int:
+    """A grammar's memory where the heap cannot be measured: what compiles of the
+    adversarial corpus and the schema corpus measured, at most (~0.1 MB plus ~55 bytes per
+    character of grammar text), rounded up."""
+    return (128 << 10) + 64 * len(text)
 
 
 # Built LLTokenizers by Hugging Face tokenizer (engines over one model share one), then by
@@ -243,24 +307,53 @@ def text_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, caching by canonical grammar text (LRU).
+    """Compiles constraints for one tokenizer, caching by canonical grammar text (LRU) up
+    to `cache_bytes` of compiled grammars.
+
+    A grammar's size is the C heap it added while it compiled and filled its first mask
+    (`CompiledGrammar.nbytes`; llguidance builds a lexer's states as masks need them, and
+    the first mask builds most of them: a counted regex builds ~170 MB there), at least its
+    text's size. Later masks add states too; they are not counted (measured over the
+    adversarial corpus: the sizes sum to within 3% of what clearing the cache frees). A
+    grammar larger than the whole cache is compiled and used, not kept.
 
     Thread-safe: the cache is guarded; compilation itself runs outside the lock.
     """
 
-    def __init__(self, tokenizer: LLTokenizer, cache_size: int = 256,
+    def __init__(self, tokenizer: LLTokenizer, cache_bytes: int = GRAMMAR_CACHE_BYTES,
                  limits: dict[str, int] | None = None,
                  specials: dict[str, int] | None = None) -> None:
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes={cache_bytes}: must be >= 0")
         self.tokenizer = tokenizer
         self.markup = Markup(tokenizer, specials or {})
         self.limits = dict(PARSER_LIMITS, **(limits or {}))
-        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._held = 0  # the cached grammars' bytes
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.evictions = 0
         self._orders: dict[int, ClosingOrder] = {}
-        self._needs: OrderedDict[tuple, int | None] = OrderedDict()
+
+    @property
+    def cached_bytes(self) -> int:
+        """The bytes of the grammars in the cache now."""
+        with self._lock:
+            return self._held
+
+    @property
+    def cached(self) -> int:
+        """How many grammars the cache holds now."""
+        with self._lock:
+            return len(self._cache)
+
+    def clear(self) -> None:
+        """Empty the cache (requests holding a grammar keep it)."""
+        with self._lock:
+            self._cache.clear()
+            self._held = 0
 
     def closing_order(self, vocab_size: int) -> ClosingOrder:
         """The tokenizer's closing order for logits `vocab_size` wide (`budget`), built once
@@ -279,22 +372,21 @@ class GrammarCompiler:
         longer than its bound), cached by grammar text where `matcher` is the grammar's own
         (not a thinking matcher, whose budget differs per request)."""
         plain = type(matcher) is type(grammar._template)
-        key = (grammar.text, hints)
+        key = (vocab_size, hints)
         if plain:
             with self._lock:
-                if key in self._needs:
-                    return self._needs[key]
+                if key in grammar._needs:
+                    return grammar._needs[key]
         n = need(matcher, self.closing_order(vocab_size), hints=hints)
         if plain:
             with self._lock:
-                self._needs[key] = n
-                while len(self._needs) > self.cache_size:
-                    self._needs.popitem(last=False)
+                grammar._needs[key] = n
         return n
 
     @staticmethod
     def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int],
-                         limits: dict[str, int] | None = None) -> "GrammarCompiler":
+                         limits: dict[str, int] | None = None,
+                         cache_bytes: int | None = None) -> "GrammarCompiler":
         """A compiler over the LLTokenizer for a Hugging Face fast tokenizer
         (`text_tokenizer`; ~1 s to build, built once per tokenizer, width and end tokens).
 
@@ -305,6 +397,7 @@ class GrammarCompiler:
             eos_token_ids: every id that ends the output; all are allowed where the grammar
                 may end.
             limits: llguidance parser limits replacing `PARSER_LIMITS`' (by name).
+            cache_bytes: the compiled-grammar cache's size (None: `GRAMMAR_CACHE_BYTES`).
         """
         key = (n_vocab, tuple(eos_token_ids))
         with _TOKENIZERS_LOCK:
@@ -313,7 +406,9 @@ class GrammarCompiler:
             built = text_tokenizer(hf_tokenizer, n_vocab, eos_token_ids)
             with _TOKENIZERS_LOCK:
                 _TOKENIZERS[hf_tokenizer][key] = built
-        return GrammarCompiler(built[0], limits=limits, specials=built[1])
+        return GrammarCompiler(built[0], limits=limits, specials=built[1],
+                               cache_bytes=GRAMMAR_CACHE_BYTES if cache_bytes is None
+                               else cache_bytes)
 
     def compile(self, c: Constraint, thinking: Thinking | None = None) -> CompiledGrammar:
         """Compile (or fetch from cache) a constraint, after a think block when `thinking`.
@@ -331,6 +426,7 @@ class GrammarCompiler:
                 self.hits += 1
                 return hit
         limits = llguidance.LLParserLimits(**self.limits)
+        before = heap_in_use()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer,
                                                                       limits=limits)
         if is_error:
@@ -346,10 +442,25 @@ class GrammarCompiler:
         if probe.is_error() or not first.any():
             raise GrammarError(c.kind, "the constraint matches no text: no token, not even the "
                                        "end of output, is allowed at the start")
-        compiled = CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template)
+        del probe  # (its own parser state is not the grammar's)
+        after = heap_in_use()
+        # Other threads allocate and free meanwhile: what they free can hide this grammar's
+        # bytes (hence the floor), what they allocate is counted here (a cache that holds a
+        # little less than it could).
+        nbytes = (grammar_bytes_estimate(text) if before is None or after is None
+                  else max(after - before, 2 * len(text.encode())))
+        compiled = CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template,
+                                   nbytes)
         with self._lock:
             self.misses += 1
-            self._cache[text] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            old = self._cache.pop(text, None)  # compiled twice at once: keep the last
+            if old is not None:
+                self._held -= old.nbytes
+            if nbytes <= self.cache_bytes:
+                self._cache[text] = compiled
+                self._held += nbytes
+            while self._held > self.cache_bytes:
+                _, gone = self._cache.popitem(last=False)
+                self._held -= gone.nbytes
+                self.evictions += 1
         return compiled

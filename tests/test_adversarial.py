@@ -6,10 +6,12 @@ client's timeout; afterwards the server still serves a normal request."""
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import time
 
 import pytest
 
+from specdec.grammar import heap_in_use
 from tests import tally
 from tests.adversarial import ENTRIES, Entry, judge
 from tests.serverproc import serve_app
@@ -65,3 +67,23 @@ def test_the_server_still_serves_after_the_corpus(server):
         "temperature": 0}).result(timeout=CLIENT_TIMEOUT_S)
     assert r.status_code == 200, r.text
     assert 1 <= r.json()["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="the C heap is not measurable here")
+def test_the_grammar_cache_holds_what_it_counts_within_its_size(server):
+    """After the corpus (~320 MB of grammars compiled, one counted regex ~170 MB alone), the
+    cache holds at most its size, and emptying it hands back what its count says."""
+    s, _ = server
+    compiler = s.engine.compiler
+    held = compiler.cached_bytes
+    assert compiler.misses >= 20 and 0 < held <= compiler.cache_bytes
+    assert sum(g.nbytes for g in compiler._cache.values()) == held
+    gc.collect()
+    before = heap_in_use()
+    compiler.clear()
+    gc.collect()
+    freed = before - heap_in_use()
+    tally.NOTES.append(f"grammar cache after the adversarial corpus: {held / 1e6:.0f} MB "
+                       f"counted, {freed / 1e6:.0f} MB freed by emptying it, "
+                       f"{compiler.evictions} evicted")
+    assert 0.9 * freed <= held <= 1.1 * freed, (held, freed)

@@ -25,7 +25,7 @@ import pytest
 
 from server.app import create_app
 from server.door import ServeConfig
-from server.fleet import Fleet
+from server.fleet import Fleet, weight_bytes
 from specdec.catalog import Catalog, ModelSpec, build
 from specdec.config import EngineConfig
 from specdec.engine import Engine
@@ -234,6 +234,37 @@ def test_a_memory_budget_that_holds_two_of_three_unloads_the_least_recently_used
         srv.stop()
 
 
+def test_the_memory_budget_counts_each_models_grammar_cache(tmp_path, embedded):
+    """A model holds its weights and, as requests bring grammars, up to its grammar cache's
+    size: a budget with room for two models' weights holds two with no grammar cache and
+    one with 64 MB each."""
+    path = str(make_family("qwen2.5", tmp_path / "q"))
+    bare = [ModelSpec(n, path, replace(BASE, grammar_cache_mb=0)) for n in ("a", "b")]
+    weights = Fleet(Catalog(tuple(bare), "a"), Loader(embedded)).seats[0].bytes
+    budget = 2 * weights + (64 << 20)
+    for mb, both in ((0, True), (64, False)):
+        specs = [ModelSpec(n, path, replace(BASE, grammar_cache_mb=mb)) for n in ("a", "b")]
+        fleet = Fleet(Catalog(tuple(specs), "a"), Loader(embedded), memory_budget=budget)
+        srv = InProcess(create_app(fleet, ServeConfig()), fleet)
+        try:
+            assert fleet.seats[0].bytes == weights + (mb << 20)  # before it loads
+            for name in ("a", "b"):
+                r = srv.http.post("/v1/chat/completions", json={
+                    "model": name, "messages": ASK, "max_tokens": 4,
+                    "response_format": {"type": "json_object"}})
+                assert r.status_code == 200, r.text
+            assert loaded(srv) == ({"a", "b"} if both else {"b"}), mb
+            seat = fleet.seat("b")
+            assert seat.bytes == weight_bytes(seat.engine) + (mb << 20)  # loaded: measured
+            metrics = srv.http.get("/metrics").text
+            assert f'specdec_grammar_cache_limit_bytes{{model="b"}} {mb << 20}' in metrics
+            held = seat.engine.compiler.cached_bytes
+            assert (held > 0) == (mb > 0)
+            assert f'specdec_grammar_cache_bytes{{model="b"}} {held}' in metrics
+        finally:
+            srv.stop()
+
+
 def test_a_pinned_model_is_never_unloaded(dirs, embedded):
     loader = Loader(embedded)
     srv = serve([ModelSpec("qwen", dirs["qwen"], BASE, pinned=True),
@@ -375,7 +406,8 @@ def test_model_flags_and_a_models_file_make_one_catalog(tmp_path, dirs):
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
     f = tmp_path / "models.toml"
     f.write_text(f'default = "q"\n\n[models.q]\npath = "{dirs["qwen"]}"\naliases = ["fast"]\n'
-                 f'chat_template = "t.jinja"\nreasoning_format = "think"\nttl = 30\n\n'
+                 f'chat_template = "t.jinja"\nreasoning_format = "think"\nttl = 30\n'
+                 f'grammar_cache_mb = 8\n\n'
                  f'[models.l]\npath = "{dirs["llama"]}"\npinned = true\ndraft = "self"\n')
     cat = build([f"phi={dirs['phi']}", "default"], [str(f)], None, BASE)
     assert [m.name for m in cat.models] == ["phi", "SmolLM2-135M-Instruct", "q", "l"]
@@ -385,6 +417,7 @@ def test_model_flags_and_a_models_file_make_one_catalog(tmp_path, dirs):
     assert q.config.defaults.chat_template == "{{ messages[0]['content'] }}"
     assert q.config.defaults.reasoning_format == "think" and q.config.draft == "none"
     assert lm.pinned and lm.config.draft == "self"
+    assert q.config.grammar_cache_mb == 8 and lm.config.grammar_cache_mb == 256
     assert build([], [], None, BASE).models[0].path == "default"  # no flags: embedded
     js = tmp_path / "m.json"
     js.write_text('{"models": {"q": {"path": "%s", "aliases": ["a"]}}}' % dirs["qwen"])
@@ -399,6 +432,7 @@ def test_model_flags_and_a_models_file_make_one_catalog(tmp_path, dirs):
     ('[models.q]\npath = "QWEN"\nreasoning_format = "nope"\n',
      ":3: models.q.reasoning_format:"),
     ('[models.q]\npath = "QWEN"\npinned = true\nttl = 5\n', ":4: models.q.ttl: a pinned"),
+    ('[models.q]\npath = "QWEN"\ngrammar_cache_mb = -1\n', ":3: models.q.grammar_cache_mb:"),
     ('[models.q\npath = "QWEN"\n', ": not valid TOML: "),
     ('default = "zz"\n[models.q]\npath = "QWEN"\n', "default model 'zz' is none of"),
 ])
@@ -499,3 +533,15 @@ def test_the_memory_budget_flag():
     for bad in ("0", "-5", "8G", ""):
         with pytest.raises(ModelConfigError, match="--memory-budget"):
             memory_budget(bad)
+
+
+def test_the_grammar_cache_flag():
+    from specdec.cli import build_parser, engine_config
+
+    def config(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["serve", *flags]))
+
+    assert config().grammar_cache_mb == EngineConfig().grammar_cache_mb == 256
+    assert config("--grammar-cache-mb", "0").grammar_cache_mb == 0
+    with pytest.raises(SystemExit, match="--grammar-cache-mb -1"):
+        config("--grammar-cache-mb", "-1")

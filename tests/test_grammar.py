@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 from llguidance import LLTokenizer
 
-from specdec.grammar import Constraint, GrammarCompiler, GrammarError
+from specdec.grammar import Constraint, GrammarCompiler, GrammarError, heap_in_use
+from tests.adversarial import enum_schema, wide_object
 
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    return GrammarCompiler(LLTokenizer("byte"), cache_size=4)
+    return GrammarCompiler(LLTokenizer("byte"))
 
 
 def accepts(compiler: GrammarCompiler, c: Constraint, text: str) -> bool:
@@ -110,15 +112,61 @@ def test_lenient_schema_compiles_and_reports_what_it_skipped(compiler):
     assert any("uniqueItems" in w for w in g.warnings)
 
 
-def test_compile_cache_is_keyed_by_grammar_text_and_bounded(compiler):
-    compiler._cache.clear()
+def test_compile_cache_is_keyed_by_grammar_text(compiler):
+    compiler.clear()
     h0, m0 = compiler.hits, compiler.misses
     a = compiler.compile(Constraint.json_schema(PERSON))
     b = compiler.compile(Constraint.json_schema(json.dumps(PERSON)))  # same canonical text
     assert a is b and compiler.hits == h0 + 1 and compiler.misses == m0 + 1
-    for i in range(6):
-        compiler.compile(Constraint.regex(f"x{i}"))
-    assert len(compiler._cache) == 4
+    assert compiler.cached == 1 and compiler.cached_bytes == a.nbytes > 0
+
+
+def test_compile_cache_is_bounded_in_bytes_least_recently_used_first():
+    probe = GrammarCompiler(LLTokenizer("byte"))
+    sizes = [probe.compile(Constraint.regex(f"x{i}")).nbytes for i in range(8)]
+    # Room for about three: what is kept never exceeds the bound, and is the newest.
+    compiler = GrammarCompiler(LLTokenizer("byte"), cache_bytes=3 * max(sizes))
+    kept = []
+    for i in range(8):
+        g = compiler.compile(Constraint.regex(f"x{i}"))
+        kept.append(g.text)
+        if i == 2:  # a reuse makes x0 the most recently used
+            assert compiler.compile(Constraint.regex("x0")).text == kept[0]
+            kept.append(kept.pop(0))
+        held = list(compiler._cache.values())
+        assert compiler.cached_bytes == sum(h.nbytes for h in held) <= compiler.cache_bytes
+        assert [h.text for h in held] == kept[-len(held):]
+    assert compiler.hits == 1 and compiler.evictions == compiler.misses - compiler.cached >= 4
+
+
+def test_a_grammar_larger_than_the_cache_is_used_not_kept():
+    compiler = GrammarCompiler(LLTokenizer("byte"), cache_bytes=1 << 20)
+    small = compiler.compile(Constraint.regex("x"))
+    big = compiler.compile(Constraint.json_schema(enum_schema(5000)))
+    assert big.nbytes > 1 << 20 and big.matcher().consume_token(ord("{"))
+    assert list(compiler._cache.values()) == [small] and compiler.evictions == 0
+    assert GrammarCompiler(LLTokenizer("byte"), cache_bytes=0).compile(
+        Constraint.regex("x")).matcher().consume_token(ord("x"))
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="the C heap is not measurable here")
+def test_cached_grammar_sizes_sum_to_what_clearing_the_cache_frees():
+    """The sizes are measured: a schema's grammar grows with it, a counted regex's lexer
+    states (built by the first mask) are counted, and emptying the cache hands back what
+    the sizes say (the heap read before and after, this thread alone allocating)."""
+    compiler = GrammarCompiler(LLTokenizer("byte"), cache_bytes=1 << 30)
+    small = compiler.compile(Constraint.json_schema(enum_schema(50))).nbytes
+    large = compiler.compile(Constraint.json_schema(enum_schema(5000))).nbytes
+    assert large > 10 * small
+    assert compiler.compile(Constraint.regex("a{3000}")).nbytes > 500_000
+    compiler.compile(Constraint.json_schema(wide_object(300)))
+    held = compiler.cached_bytes
+    gc.collect()
+    before = heap_in_use()
+    compiler.clear()
+    gc.collect()
+    freed = before - heap_in_use()
+    assert 0.9 * freed <= held <= 1.1 * freed, (held, freed)
 
 
 def test_matchers_from_one_grammar_are_independent(compiler):
