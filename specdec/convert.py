@@ -70,6 +70,7 @@ _LAYER_NAMES = {
 # Phi 3 keeps Q/K/V and gate/up fused, in GGUF as in mlx-lm.
 _FUSED_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: RoPE scaling as per-frequency divisors
 
 
 def hf_name(gguf_name: str, model_type: str = "llama") -> str:
@@ -219,12 +220,66 @@ def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str], types: list[int]
     return tok
 
 
-def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = True
-                 ) -> dict[str, Any]:
+def llama3_rope_scaling(factors: np.ndarray, base: float, dims: int) -> dict[str, Any] | None:
+    """The `rope_scaling` of Llama 3.1+ (`rope_type` llama3) whose per-frequency divisors a
+    GGUF stores as its `rope_freqs` tensor (llama.cpp writes those instead of the parameters);
+    None where every divisor is 1.
+
+    The divisors are 1 for short wavelengths, `factor` for long ones and, between, smooth in
+    `L / wavelength`: s = (L/w - low) / (high - low), divisor 1 / ((1 - s) / factor + s).
+    That curve is fixed by `factor` and the line s(1/w); `low_freq_factor` = 1 (every Llama
+    3.x) then gives `high_freq_factor` and `original_max_position_embeddings`. The parameters
+    are checked by recomputing the divisors from them.
+
+    Raises:
+        ConversionError: divisors no llama3 scaling makes (or too few between the two ends
+            to read the curve from).
+    """
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.shape != (dims // 2,):
+        raise ConversionError(f"rope_freqs.weight has {f.size} values; the heads rotate "
+                              f"{dims // 2} frequencies")
+    if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = float(f.max())
+    inv_w = base ** (-np.arange(0, dims, 2) / dims) / (2 * np.pi)  # 1 / wavelength
+    mid = (f > 1 + 1e-5) & (f < factor * (1 - 1e-5))
+    refused = ConversionError("rope_freqs.weight holds RoPE divisors that no llama3 scaling "
+                              "makes; this file's RoPE scaling is not supported")
+    if mid.sum() < 2 or f[0] != 1.0:
+        raise refused
+    s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    slope, icpt = np.polyfit(inv_w[mid], s, 1)
+    if slope <= 0 or icpt >= 0:
+        raise refused
+    span = -1 / icpt  # high - low, with low = 1
+    for high, old in ((round(1 + span, 3), round(slope * span)), (1 + span, slope * span)):
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                   "high_freq_factor": float(high),
+                   "original_max_position_embeddings": old}  # (the round values first)
+        if np.allclose(llama3_divisors(scaling, base, dims), f, rtol=1e-5, atol=0):
+            return scaling
+    raise refused
+
+
+def llama3_divisors(scaling: dict[str, Any], base: float, dims: int) -> np.ndarray:
+    """The per-frequency RoPE divisors of a llama3 `rope_scaling` (as llama.cpp writes them
+    into `rope_freqs`, and as mlx-lm's `Llama3RoPE` applies them)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi * base ** (np.arange(0, dims, 2) / dims)
+    smooth = (old / wavelen - low) / (high - low)
+    return np.where(wavelen < old / high, 1.0, np.where(
+        wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+
+
+def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = True,
+                 rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
     """The mlx-lm `config.json` from GGUF metadata (hyperparameters under `{arch}.`).
 
     `permuted_qk`: the llama Q/K rows are still as GGUF stores them (permuted for interleaved
     rotary), so traditional RoPE is used; False once they are put back in HF order.
+    `rope_freqs`: the file's `rope_freqs.weight` (Llama 3.1+ RoPE scaling), if it has one.
     """
     arch = meta.get("general.architecture")
     if arch not in FAMILIES:
@@ -266,6 +321,13 @@ def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = Tr
     scaling = g("rope.scaling.type", "none")
     if scaling != "none":
         raise ConversionError(f"{arch} GGUF with {scaling} RoPE scaling is not supported")
+    if rope_freqs is not None:
+        if arch != "llama":
+            raise ConversionError(f"{arch} GGUF with a rope_freqs tensor is not supported")
+        rope = llama3_rope_scaling(rope_freqs, cfg["rope_theta"],
+                                   int(g("rope.dimension_count", cfg["head_dim"])))
+        if rope is not None:
+            cfg["rope_scaling"] = rope
     return cfg
 
 
@@ -318,6 +380,8 @@ def dequantized_weights(reader: Any, config: dict[str, Any], progress: bool
     out: dict[str, mx.array] = {}
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for n, t in enumerate(reader.tensors):
+        if t.name == ROPE_FREQS:  # read into the config (`llama3_rope_scaling`)
+            continue
         kind = t.tensor_type.name
         if kind not in DEQUANTIZED_TYPES:
             raise ConversionError(f"tensor {t.name!r} has type {kind}, which is not supported "
@@ -361,12 +425,15 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
               flush=True)
     reader = GGUFReader(gguf)
     meta = read_metadata(reader)
-    config = build_config(meta, "float32", permuted_qk=False)
+    freqs = next((np.array(t.data, dtype=np.float32) for t in reader.tensors
+                  if t.name == ROPE_FREQS), None)
+    config = build_config(meta, "float32", permuted_qk=False, rope_freqs=freqs)
     tokenizer_json, tokenizer_cfg = build_tokenizer_files(meta)
     native = {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES
     if config["model_type"] == "llama" and native:
         arrays, meta = mx.load(str(gguf), return_metadata=True)
-        config = build_config(meta, fmt)
+        arrays.pop(ROPE_FREQS, None)
+        config = build_config(meta, fmt, rope_freqs=freqs)
         weights, quant = convert_weights(arrays, fmt)
     else:
         weights, quant = dequantized_weights(reader, config, progress), None

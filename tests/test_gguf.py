@@ -26,7 +26,7 @@ import pytest
 
 from specdec import blas
 from specdec.convert import (ConversionError, build_tokenizer_files, convert_gguf,
-                             read_metadata)
+                             llama3_divisors, read_metadata)
 from specdec.engine import Engine
 from specdec.models import load
 from specdec.speculative import SpecConfig
@@ -38,7 +38,8 @@ from tests.test_families import CELLS, MAX_TOKENS, MESSAGES, SCHEMA
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-ARCH = {"llama3-tied": "llama", "mistral": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3",
+ARCH = {"llama3-tied": "llama", "llama3-untied": "llama", "mistral": "llama", "qwen2.5": "qwen2",
+        "qwen3": "qwen3",
         "phi3": "phi3"}
 SIZES = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}  # K-quant rows: 256
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -49,7 +50,9 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Byte offsets of the f16 super-block scales in a K-quant block (d, then dmin where it has one).
-K_SCALES = {Q.Q4_K: ((0, 1e-4), (2, 1e-4)), Q.Q6_K: ((208, 3e-5),)}
+K_SCALES = {Q.Q2_K: ((80, 1e-4), (82, 1e-4)), Q.Q3_K: ((108, 3e-5),),
+            Q.Q4_K: ((0, 1e-4), (2, 1e-4)), Q.Q5_K: ((0, 1e-4), (2, 1e-4)),
+            Q.Q6_K: ((208, 3e-5),)}
 TEXT = ("  Héllo wörld, naïve café — crème brûlée 東京の天気 数据 🙂👍🏽 안녕\n"
         "def f(x):\n    return {\"a\": x ** 2}  # 12345\n\t tabs   and  spaces ")
 
@@ -106,7 +109,8 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path) -> dict[str, mx.arr
     vocab = tok.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get)
     added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
-    kind = TOKENIZERS[{"llama3-tied": "llama3", "mistral": "mistral"}.get(family, "chatml")]
+    kind = TOKENIZERS[{"llama3-tied": "llama3", "llama3-untied": "llama3",
+                       "mistral": "mistral"}.get(family, "chatml")]
     if kind.byte_level:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
@@ -144,6 +148,10 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path) -> dict[str, mx.arr
             if arch == "llama" and proj in heads:
                 data = permute(data, heads[proj])
         w.add_tensor(gguf_name(name), data, raw_dtype=dtype)
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        # Llama 3.1+: llama.cpp writes the scaling as per-frequency divisors, not parameters.
+        w.add_tensor("rope_freqs.weight", llama3_divisors(
+            cfg["rope_scaling"], cfg["rope_theta"], cfg["head_dim"]).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -162,7 +170,10 @@ def source_with(src: Path, weights: dict[str, mx.array]):
 # (family, type): every family in F16 and a K-quant, every type on some family.
 CASES = [("qwen3", Q.F32), ("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.Q8_0), ("qwen2.5", Q.Q6_K),
          ("mistral", Q.F16), ("mistral", Q.Q4_0), ("mistral", Q.Q6_K),
-         ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K), ("phi3", Q.Q8_0), ("phi3", Q.Q6_K)]
+         ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K),
+         ("llama3-untied", Q.F16), ("llama3-untied", Q.Q5_K),
+         ("qwen3", Q.BF16), ("qwen2.5", Q.Q5_0), ("mistral", Q.Q5_1), ("phi3", Q.Q4_1),
+         ("qwen2.5", Q.Q3_K), ("phi3", Q.Q2_K), ("phi3", Q.Q8_0), ("phi3", Q.Q6_K)]
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +199,9 @@ def test_converted_gguf_computes_what_the_source_computes(converted, family, qty
     src, held, out = converted(family, qtype)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == ARCH[family]  # mistral is written (and runs) as llama
+    # Llama 3.1's scaling, stored as rope_freqs divisors, is read back as its parameters.
+    assert cfg.get("rope_scaling") == json.loads((src / "config.json").read_text()).get(
+        "rope_scaling")
     # An all-native llama file keeps MLX's reader (the embedded model's path), which
     # dequantizes block types in float16 arithmetic, and GGUF's Q/K order with interleaved
     # RoPE: F16 agrees up to float32 summation order, Q4_0/Q8_0 within float16 rounding of
@@ -206,11 +220,30 @@ def test_converted_gguf_computes_what_the_source_computes(converted, family, qty
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())
     if qtype not in K_SCALES:  # against the unrounded source: within the type's error
         exact = load(str(src)).model(ids)
-        tol = {Q.F32: 1e-6, Q.F16: 0.02, Q.Q8_0: 0.05, Q.Q4_0: 0.5}[qtype]
+        tol = {Q.F32: 1e-6, Q.F16: 0.02, Q.BF16: 0.05, Q.Q8_0: 0.05, Q.Q5_0: 0.25, Q.Q5_1: 0.25,
+               Q.Q4_0: 0.5, Q.Q4_1: 0.5}[qtype]
         rel = float(mx.abs(a - exact).max() / mx.abs(exact).max())
         tally.NOTES.append(f"gguf {family} {qtype.name}: logits vs the unrounded source, "
                            f"max error / max logit {rel:.1e}")
         assert rel < tol, rel
+
+
+@pytest.mark.parametrize("base,dims,factor,old", [(500000.0, 128, 8.0, 8192),  # Llama 3.1 8B
+                                                   (500000.0, 64, 32.0, 8192),  # Llama 3.2 1B
+                                                   (10000.0, 64, 8.0, 1024)])
+def test_llama3_rope_scaling_is_read_back_from_rope_freqs(base, dims, factor, old):
+    from specdec.convert import llama3_rope_scaling
+
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": old}
+    divisors = llama3_divisors(scaling, base, dims).astype(np.float32)
+    assert llama3_rope_scaling(divisors, base, dims) == scaling
+    assert llama3_rope_scaling(np.ones(dims // 2, np.float32), base, dims) is None
+    bent = divisors.copy()
+    bent[np.flatnonzero((divisors > 1) & (divisors < factor))[0]] *= 1.01
+    for bad in (bent, divisors[:-1], np.linspace(1, factor, dims // 2)):
+        with pytest.raises(ConversionError, match="rope_freqs"):
+            llama3_rope_scaling(bad, base, dims)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "llama3-tied"])
