@@ -127,9 +127,16 @@ def protocol_named(name: str) -> Protocol:
                        "think tag such as <seed:think>", param="reasoning_format")
 
 
+NO_TEMPLATE = ("this model has no chat template (its files carry none, as some GGUF files): "
+               "serve it with --chat-template FILE (or chat_template in a models file) to "
+               "chat with it; /v1/completions takes a prompt as is without one")
+
+
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str | None,
             kwargs: dict[str, Any], gen: bool) -> str:
     _check_messages(messages)
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(NO_TEMPLATE)
     try:
         return str(tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=gen, chat_template=template,

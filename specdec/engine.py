@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
+from .chat import NO_TEMPLATE
 from .config import (GRAMMAR_CACHE_MB, LIMITS, EngineConfig, EngineDefaults, MaskBudget,
                      SpecConfig)
 from .core import DecodeState, Models, new_state
@@ -147,6 +149,8 @@ class Engine:
         # (the request settings live in the Preparer alone: `defaults`, `default_spec`, ...)
         self.preparer = Preparer(target, compiler, defaults, context_length,
                                  max_kv_tokens, spec, draft is not None, jump_forward)
+        if not (defaults.chat_template or getattr(target.tokenizer, "chat_template", None)):
+            logging.getLogger("specdec").warning("model %r: %s", target.name, NO_TEMPLATE)
         self._scheduler: Scheduler | None = None  # a thread of its own (`start`)
         self._last: Scheduler | None = None  # the last one started: `close` may still wait on it
         self._inline: Scheduler | None = None  # driven by whoever iterates its streams

@@ -84,9 +84,11 @@ def quantized(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(w.shape[0], -1)
 
 
-def write_gguf(src: Path, family: str, qtype: Q, path: Path) -> dict[str, mx.array]:
-    """Write `src` (an mlx-lm directory) as a GGUF in `qtype`; returns the float32 weights the
-    file holds, under HF names and in HF row order."""
+def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = True
+               ) -> dict[str, mx.array]:
+    """Write `src` (an mlx-lm directory) as a GGUF in `qtype` (with its chat template unless
+    not `template`); returns the float32 weights the file holds, under HF names and in HF
+    row order."""
     from tokenizers import Tokenizer
 
     cfg = json.loads((src / "config.json").read_text())
@@ -131,7 +133,8 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path) -> dict[str, mx.arr
         w.add_bos_token_id(vocab[kind.bos])
     w.add_eos_token_id(vocab[kind.eos])
     w.add_add_bos_token(kind.bos is not None)
-    w.add_chat_template(tok_cfg["chat_template"])
+    if template:
+        w.add_chat_template(tok_cfg["chat_template"])
 
     rng = np.random.default_rng(0)
     held: dict[str, mx.array] = {}
@@ -433,3 +436,30 @@ def test_served_by_name_from_a_gguf_file(converted, tmp_path):
             json.loads(r.choices[0].message.content)
     finally:
         s.stop()
+
+
+def test_a_file_without_a_chat_template_completes_and_says_chat_needs_one(converted, tmp_path):
+    from tests.serverproc import serve_app
+
+    src, _, _ = converted("qwen2.5", Q.Q8_0)
+    path = tmp_path / "bare.gguf"
+    write_gguf(src, "qwen2.5", Q.Q8_0, path, template=False)
+    out = convert_gguf(path, tmp_path / "bare", progress=False)
+    (tmp_path / "t.jinja").write_text(TOKENIZERS["chatml"].template)
+    for flags, chat in (((), False), (("--chat-template", str(tmp_path / "t.jinja")), True)):
+        s = serve_app("--model", str(out), "--draft-model", "none", *flags)
+        try:
+            r = s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            for api, body in (("/v1/chat/completions", {"messages": MESSAGES}),
+                              ("/v1/responses", {"input": "hi"}),
+                              ("/v1/messages", {"model": "bare", "messages": MESSAGES})):
+                r = s.http.post(api, json={**body, "max_tokens": 3} if "input" not in body
+                                else {**body, "max_output_tokens": 3})
+                if chat:
+                    assert r.status_code == 200, (api, r.text)
+                else:
+                    assert r.status_code == 400, (api, r.text)
+                    assert "no chat template" in r.text and "--chat-template FILE" in r.text
+        finally:
+            s.stop()
