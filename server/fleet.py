@@ -27,7 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from specdec.catalog import DEFAULT_NAME, Catalog, ModelSpec
@@ -79,7 +80,7 @@ def card_of(config: dict[str, Any]) -> dict[str, Any]:
     q = config.get("quantization") or config.get("quantization_config")
     return {"family": config.get("model_type"),
             "quantization": (f"{q['bits']}-bit" if isinstance(q, dict) and "bits" in q
-                             else None),
+                             else q if isinstance(q, str) else None),  # a GGUF's file type
             "context_length": int(config.get("max_position_embeddings") or 2048)}
 
 
@@ -100,6 +101,22 @@ def footprint(engine: Any) -> int:
     return weight_bytes(engine) + (compiler.cache_bytes if compiler is not None else 0)
 
 
+def describe(spec: ModelSpec) -> dict[str, Any]:
+    """An unloaded model's config.json, or what a GGUF file's header says (it converts when
+    it first loads, not at start)."""
+    from specdec.convert import describe_gguf
+    from specdec.errors import ConversionError, ModelConfigError
+    from specdec.models import resolve_model_path
+
+    path = Path(spec.path).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        try:
+            return describe_gguf(path)
+        except ConversionError as e:
+            raise ModelConfigError(f"model {spec.name!r}: {e}") from None
+    return json.loads((resolve_model_path(spec.path) / "config.json").read_text())
+
+
 def estimate_bytes(spec: ModelSpec) -> int:
     """What a model will hold before it loads: its (and its draft's) weight files, twice
     that where half-precision weights are widened to float32 (`models.load` on the CPU),
@@ -109,6 +126,9 @@ def estimate_bytes(spec: ModelSpec) -> int:
     draft = spec.config.draft_for(spec.path)
     total = 0
     for path in [spec.path] + ([draft] if draft not in (None, "self") else []):
+        if str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file():
+            total += describe(replace(spec, path=path))["specdec_bytes"]
+            continue
         d = resolve_model_path(path)
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
         config = json.loads((d / "config.json").read_text())
@@ -143,8 +163,6 @@ class Fleet:
     def __init__(self, catalog: Catalog, loader: Callable[[ModelSpec], Any],
                  max_loaded: int | None = None, loaded: dict[str, Any] | None = None,
                  memory_budget: int | None = None) -> None:
-        from specdec.models import resolve_model_path
-
         from .door import PromptBound
 
         if max_loaded is not None and max_loaded < 1:
@@ -156,8 +174,7 @@ class Fleet:
         for spec in catalog.models:
             engine = loaded.get(spec.name)
             config = (getattr(engine.target, "config", None) or {} if engine is not None
-                      else json.loads(
-                (resolve_model_path(spec.path) / "config.json").read_text()))
+                      else describe(spec))
             card = card_of(config)
             if engine is not None:
                 d = getattr(engine, "draft", None)

@@ -90,11 +90,12 @@ def build(flags: list[str], files: list[str], default: str | None,
         specs.append(ModelSpec(name or _served_name(path, "--model"), path, base))
     for folder in folders:
         found = sorted(d for d in Path(folder).expanduser().iterdir()
-                       if (d / "config.json").exists()) if Path(folder).is_dir() else []
+                       if (d / "config.json").exists() or _is_gguf(d)) \
+            if Path(folder).is_dir() else []
         if not found:
             raise ModelConfigError(f"--models-dir {folder}: no model directories (with a "
-                                   "config.json) in it")
-        specs.extend(ModelSpec(d.name, str(d), base) for d in found)
+                                   "config.json) or GGUF files in it")
+        specs.extend(ModelSpec(d.stem if _is_gguf(d) else d.name, str(d), base) for d in found)
     for f in files:
         more, chosen = read_file(Path(f), base)
         specs.extend(more)
@@ -129,7 +130,13 @@ def _named(flag: str) -> bool:
 def _served_name(path: str, where: str) -> str:
     from .models import resolve_model_path, served_name
 
+    if _is_gguf(Path(path).expanduser()):  # named by its file: converted when it loads
+        return Path(path).stem
     return served_name(path, _resolve(path, where, resolve_model_path))
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
 
 
 def _resolve(path: str, where: str, resolve: Any) -> Path:

@@ -460,3 +460,36 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
         size = sum(f.stat().st_size for f in out_dir.iterdir()) / 2**20
         print(f"specdec: conversion done ({size:.0f} MiB)", file=sys.stderr, flush=True)
     return out_dir
+
+
+def describe_gguf(path: Path) -> dict[str, Any]:
+    """What a GGUF file's header says of its model, without converting it: `model_type`,
+    `max_position_embeddings` and `quantization` (llama.cpp's file type: `Q4_K_M`), as a
+    config.json would say them, and `specdec_bytes`, the weights' memory once converted.
+
+    Raises:
+        ConversionError: not a GGUF file the `gguf` package reads.
+    """
+    from gguf import GGUFReader, LlamaFileType
+
+    from .models import default_weight_format
+
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{path.name}: not a readable GGUF file: {e}") from None
+    meta = {k: f.contents() for k, f in reader.fields.items()
+            if k.startswith("general.") or k.endswith(".context_length")}
+    arch = meta.get("general.architecture")
+    try:
+        kind = LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError):
+        kind = None
+    native = arch == "llama" and default_weight_format() == "q4" and \
+        {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES  # kept 4-bit
+    size = path.stat().st_size if native else \
+        4 * sum(int(t.n_elements) for t in reader.tensors)  # dequantized to float32
+    return {"model_type": FAMILIES.get(arch, arch),
+            "max_position_embeddings": meta.get(f"{arch}.context_length"),
+            "quantization": None if kind in (None, "ALL_F32") else kind,
+            "specdec_bytes": size}

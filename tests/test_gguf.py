@@ -463,3 +463,33 @@ def test_a_file_without_a_chat_template_completes_and_says_chat_needs_one(conver
                     assert "no chat template" in r.text and "--chat-template FILE" in r.text
         finally:
             s.stop()
+
+
+def test_a_models_folder_of_gguf_files_converts_each_when_it_first_loads(
+        converted, tmp_path, monkeypatch):
+    import shutil
+
+    from tests.serverproc import serve_app
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for family, qtype in (("qwen3", Q.Q4_K), ("mistral", Q.Q6_K)):
+        write_gguf(converted(family, qtype)[0], family, qtype, folder / f"{family}.gguf")
+    shutil.copytree(converted("qwen2.5", Q.Q8_0)[0], folder / "plain")  # a model directory
+    (folder / "notes.txt").write_text("not a model")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    s = serve_app("--models-dir", str(folder), "--draft-model", "none")
+    try:
+        cards = {m["id"]: m for m in s.http.get("/v1/models").json()["data"]}
+        assert set(cards) == {"mistral", "plain", "qwen3"}
+        assert not cache.exists()  # nothing converted at start
+        q = cards["qwen3"]  # from the file's header: GGUF's own names
+        assert (q["family"], q["context_length"], q["loaded"]) == ("qwen3", 4096, False)
+        r = s.http.post("/v1/chat/completions", json={
+            "model": "qwen3", "messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+        assert [d.name.split("-")[0] for d in (cache / "models").iterdir()] == ["qwen3"]
+    finally:
+        s.stop()
