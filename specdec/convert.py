@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -40,6 +41,11 @@ _TOKEN_TYPE_NORMAL, _TOKEN_TYPE_UNKNOWN, _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER =
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 # Tensor types MLX's own GGUF reader loads; every other file goes through the `gguf` package.
 MLX_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
+# `q4`: what MLX affine bits a quantized GGUF type is requantized to (about its bits per
+# weight; 2- and 3-bit types to 4 bits, where MLX's low-bit error would add to theirs).
+REQUANT_BITS = {"Q2_K": 4, "Q3_K": 4, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5,
+                "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+SHARD_BYTES = 2 << 30  # a conversion writes (and holds) the weights this much at a time
 DEQUANTIZED_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 
@@ -371,32 +377,101 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
-def dequantized_weights(reader: Any, config: dict[str, Any], progress: bool
-                        ) -> dict[str, mx.array]:
-    """Every tensor of the file dequantized to float32 under its HF name (llama's Q/K rows
-    put back in HF order)."""
+def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray, Any]]:
+    """Each tensor of the file (`rope_freqs` aside) dequantized to float32 under its HF name,
+    with its GGUF tensor, one at a time (llama's Q/K rows put back in HF order)."""
     from gguf.quants import dequantize
 
-    out: dict[str, mx.array] = {}
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    for n, t in enumerate(reader.tensors):
+    for t in reader.tensors:
         if t.name == ROPE_FREQS:  # read into the config (`llama3_rope_scaling`)
             continue
-        kind = t.tensor_type.name
-        if kind not in DEQUANTIZED_TYPES:
-            raise ConversionError(f"tensor {t.name!r} has type {kind}, which is not supported "
-                                  f"(supported: {', '.join(sorted(DEQUANTIZED_TYPES))})")
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         layer = t.name.split(".")
         if config["model_type"] == "llama" and len(layer) == 4 and layer[2] in heads \
                 and layer[3] == "weight":
             w = _unpermute(w, heads[layer[2]])
-        out[hf_name(t.name, config["model_type"])] = mx.array(w)
-        if progress and (n + 1) % 50 == 0:
-            print(f"specdec: {n + 1}/{len(reader.tensors)} tensors", file=sys.stderr,
-                  flush=True)
-    return out
+        yield hf_name(t.name, config["model_type"]), w, t
+
+
+def stored(name: str, w: np.ndarray, kind: str, fmt: WeightFormat
+           ) -> tuple[dict[str, mx.array], int | None]:
+    """How a dequantized tensor is stored in `fmt`, and the bits it was requantized to (None:
+    kept as floats). `float32`: as is. `q4` (Metal/CUDA, where memory is what runs out): a
+    quantized matrix is requantized to MLX's affine format of about its bits per weight
+    (`REQUANT_BITS`, groups of 32), a half-precision one kept in float16, the rest float32."""
+    if fmt == "q4" and w.ndim == 2 and kind in REQUANT_BITS and w.shape[1] % GROUP_SIZE == 0:
+        bits = REQUANT_BITS[kind]
+        q, scales, biases = mx.quantize(mx.array(w), group_size=GROUP_SIZE, bits=bits)
+        stem = name.removesuffix(".weight")
+        return {name: q, f"{stem}.scales": scales, f"{stem}.biases": biases}, bits
+    if fmt == "q4" and kind in ("F16", "BF16"):
+        return {name: mx.array(w).astype(mx.float16)}, None
+    return {name: mx.array(w)}, None
+
+
+class Shards:
+    """Writes a model's weights as they come, in `model-NNNNN.safetensors` files of about
+    `SHARD_BYTES` (one `model.safetensors` where they fit in one), with the index
+    Hugging Face loaders read: a conversion holds one shard in memory, not the model."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.held, self.size, self.total = out, {}, 0, 0
+        self.files: list[Path] = []
+        self.where: dict[str, str] = {}
+
+    def add(self, arrays: dict[str, mx.array]) -> None:
+        mx.eval(*arrays.values())
+        self.held.update(arrays)
+        self.size += sum(a.nbytes for a in arrays.values())
+        if self.size >= SHARD_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.held:
+            return
+        f = self.out / f"model-{len(self.files) + 1:05d}.safetensors"
+        mx.save_safetensors(str(f), self.held, metadata={"format": "mlx"})
+        self.files.append(f)
+        self.where.update(dict.fromkeys(self.held, f.name))
+        self.total += self.size
+        self.held, self.size = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        if len(self.files) == 1:
+            self.files[0].rename(self.out / "model.safetensors")
+            return
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": self.total}, "weight_map": self.where}, indent=1))
+
+
+class Progress:
+    """A conversion's progress on stderr: a bar redrawn in place on a terminal, a line per
+    tenth otherwise (a log)."""
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self.label, self.total, self.enabled = label, max(1, total), enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.done, self.shown = 0, -1
+
+    def advance(self, n: int) -> None:
+        if not self.enabled:
+            return
+        self.done += n
+        frac = min(1.0, self.done / self.total)
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            print(f"\rspecdec: {self.label} [{bar:<30}] {frac:4.0%} "
+                  f"{self.done / 2**30:.2f}/{self.total / 2**30:.2f} GiB", end="",
+                  file=sys.stderr, flush=True)
+            if self.done >= self.total:
+                print(file=sys.stderr, flush=True)
+        elif int(frac * 10) > self.shown:
+            self.shown = int(frac * 10)
+            print(f"specdec: {self.label}: {frac:.0%} ({self.done / 2**30:.2f} of "
+                  f"{self.total / 2**30:.2f} GiB read)", file=sys.stderr, flush=True)
 
 
 def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
@@ -407,9 +482,10 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
         gguf: path of a llama (mistral), qwen2, qwen3 or phi3 GGUF with a GPT-2 BPE or
             SentencePiece-style tokenizer.
         out_dir: final directory; must not exist yet (an existing one is returned untouched).
-        fmt: `float32` (fastest on the CPU backend) or `q4` (keeps 4-bit weights MLX reads
-            natively; anything else is dequantized to float32).
-        progress: print progress lines to stderr.
+        fmt: `float32` (fastest on the CPU backend) or `q4` (Metal/CUDA: MLX's native
+            Q4_0/Q4_1/Q8_0 kept quantized; other quantized types requantized to MLX's affine
+            format, `stored`).
+        progress: show progress on stderr (a bar on a terminal, lines otherwise).
 
     Returns:
         `out_dir`.
@@ -421,30 +497,52 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
     if (out_dir / "config.json").exists():
         return out_dir
     if progress:
-        print(f"specdec: converting {gguf.name} -> {out_dir} ({fmt}) ...", file=sys.stderr,
-              flush=True)
+        print(f"specdec: converting {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB) -> "
+              f"{out_dir} ({fmt})", file=sys.stderr, flush=True)
     reader = GGUFReader(gguf)
     meta = read_metadata(reader)
     freqs = next((np.array(t.data, dtype=np.float32) for t in reader.tensors
                   if t.name == ROPE_FREQS), None)
     config = build_config(meta, "float32", permuted_qk=False, rope_freqs=freqs)
     tokenizer_json, tokenizer_cfg = build_tokenizer_files(meta)
-    native = {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES
-    if config["model_type"] == "llama" and native:
-        arrays, meta = mx.load(str(gguf), return_metadata=True)
-        arrays.pop(ROPE_FREQS, None)
-        config = build_config(meta, fmt, rope_freqs=freqs)
-        weights, quant = convert_weights(arrays, fmt)
-    else:
-        weights, quant = dequantized_weights(reader, config, progress), None
-        config["vocab_size"] = weights["model.embed_tokens.weight"].shape[0]
-    config["tie_word_embeddings"] = "lm_head.weight" not in weights
-    if quant is not None:
-        config["quantization"] = quant
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    for t in reader.tensors:  # refused before anything is written
+        if t.tensor_type.name not in DEQUANTIZED_TYPES:
+            raise ConversionError(
+                f"tensor {t.name!r} has type {t.tensor_type.name}, which is not supported "
+                f"(supported: {', '.join(sorted(DEQUANTIZED_TYPES))})")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        shards = Shards(tmp)
+        if config["model_type"] == "llama" and kinds <= MLX_NATIVE_TYPES:
+            arrays, meta = mx.load(str(gguf), return_metadata=True)
+            arrays.pop(ROPE_FREQS, None)
+            config = build_config(meta, fmt, rope_freqs=freqs)
+            weights, quant = convert_weights(arrays, fmt)
+            shards.add(weights)
+            names = set(weights)
+        else:
+            bar = Progress(f"converting {gguf.name}", sum(int(t.n_bytes) for t in
+                                                          reader.tensors), progress)
+            quant: dict[str, Any] | None = {"group_size": GROUP_SIZE, "bits": 4} \
+                if fmt == "q4" else None
+            names = set()
+            for name, w, t in gguf_tensors(reader, config):
+                arrays, bits = stored(name, w, t.tensor_type.name, fmt)
+                if name == "model.embed_tokens.weight":
+                    config["vocab_size"] = int(w.shape[0])
+                if bits is not None and bits != 4:
+                    quant[name.removesuffix(".weight")] = {"group_size": GROUP_SIZE,
+                                                           "bits": bits}
+                del w
+                shards.add(arrays)
+                names.add(name)
+                bar.advance(int(t.n_bytes))
+        shards.close()
+        config["tie_word_embeddings"] = "lm_head.weight" not in names
+        if quant is not None:
+            config["quantization"] = quant
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_cfg, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -458,7 +556,8 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
             shutil.rmtree(tmp, ignore_errors=True)
     if progress:
         size = sum(f.stat().st_size for f in out_dir.iterdir()) / 2**20
-        print(f"specdec: conversion done ({size:.0f} MiB)", file=sys.stderr, flush=True)
+        print(f"specdec: conversion done ({size:.0f} MiB in {out_dir})", file=sys.stderr,
+              flush=True)
     return out_dir
 
 

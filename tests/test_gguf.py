@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -342,7 +343,7 @@ def test_a_gguf_path_converts_once_into_the_cache_and_the_cli_names_what_is_refu
     def no_second_conversion(*a, **k):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(convert, "dequantized_weights", no_second_conversion)
+    monkeypatch.setattr(convert, "gguf_tensors", no_second_conversion)
     again = load(str(path))
     assert again.path == first.path
     assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # no leftovers
@@ -493,3 +494,82 @@ def test_a_models_folder_of_gguf_files_converts_each_when_it_first_loads(
         assert [d.name.split("-")[0] for d in (cache / "models").iterdir()] == ["qwen3"]
     finally:
         s.stop()
+
+
+# (measured here: 1.3e-2, 6.3e-2 and 4.1e-2 of the largest logit)
+@pytest.mark.parametrize("family,qtype,bits,tol", [("qwen3", Q.Q4_K, 4, 0.05),
+                                                   ("mistral", Q.Q6_K, 6, 0.15),
+                                                   ("phi3", Q.Q5_0, 5, 0.1)])
+def test_q4_requantizes_to_mlx_affine_bits_within_a_measured_error(converted, tmp_path,
+                                                                   family, qtype, bits, tol):
+    """Where memory is what runs out (Metal, CUDA: the `q4` format), a quantized GGUF type is
+    requantized to MLX's affine format of about its bits per weight rather than widened to
+    float32: the weights take about the file's bytes, and the logits stay within a measured
+    error of the dequantized (float32) conversion."""
+    src, _, out = converted(family, qtype)
+    path = tmp_path / "f.gguf"
+    write_gguf(src, family, qtype, path)
+    q = convert_gguf(path, tmp_path / "q", "q4", progress=False)
+    cfg = json.loads((q / "config.json").read_text())
+    layer = "model.layers.0.mlp.down_proj"
+    assert cfg["quantization"].get(layer, {"bits": 4})["bits"] == bits
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    assert size(q) < 1.6 * path.stat().st_size < size(out) / 2
+    ours, dense = load(str(q)), load(str(out))
+    assert isinstance(ours.model.model.layers[0].mlp.down_proj, nn.QuantizedLinear)
+    ids = mx.array([dense.tokenizer.encode(TEXT)])
+    a, b = ours.model(ids), dense.model(ids)
+    rel = float(mx.abs(a - b).max() / mx.abs(b).max())
+    tally.NOTES.append(f"gguf {family} {qtype.name} requantized to {bits}-bit affine: logits "
+                       f"vs the float32 conversion, max error / max logit {rel:.1e}")
+    assert rel < tol, rel
+
+
+def test_a_conversion_writes_its_weights_a_shard_at_a_time(converted, tmp_path, monkeypatch):
+    """Shards of `SHARD_BYTES` (here a small one) with their index: the same model."""
+    from specdec import convert
+
+    src, _, whole = converted("qwen2.5", Q.Q6_K)
+    path = tmp_path / "f.gguf"
+    write_gguf(src, "qwen2.5", Q.Q6_K, path)
+    monkeypatch.setattr(convert, "SHARD_BYTES", 1 << 20)
+    out = convert_gguf(path, tmp_path / "sharded", progress=False)
+    files = sorted(f.name for f in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(files) > 3 and set(index["weight_map"].values()) == set(files)
+    assert [f.name for f in whole.glob("*.safetensors")] == ["model.safetensors"]
+    a, b = load(str(out)), load(str(whole))
+    ids = mx.array([b.tokenizer.encode(TEXT)])
+    assert mx.array_equal(a.model(ids), b.model(ids))
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(capsys):
+    from specdec.convert import Progress
+
+    class Tty:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, s: str) -> None:
+            self.text += s
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sys, "stderr", tty)
+        bar = Progress("converting f.gguf", 1000, True)
+        for _ in range(10):
+            bar.advance(100)
+    assert tty.text.count("\r") == 10 and tty.text.endswith("100% 0.00/0.00 GiB\n")
+    log = Progress("converting f.gguf", 1000, True)
+    for _ in range(40):
+        log.advance(25)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("specdec: converting f.gguf: 100%")
+    Progress("x", 10, False).advance(10)
+    assert capsys.readouterr().err == ""
