@@ -29,7 +29,7 @@ import numpy as np
 from .errors import ConversionError  # noqa: F401
 
 WeightFormat = Literal["float32", "q4"]
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: q4 requantizes what MLX cannot read quantized
 GROUP_SIZE = 32  # GGUF Q4_1 / Q8_0 blocks hold 32 values
 
 # Control tokens that end a turn or a document in common templates.
