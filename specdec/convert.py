@@ -584,11 +584,16 @@ def describe_gguf(path: Path) -> dict[str, Any]:
         kind = LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
     except (KeyError, ValueError):
         kind = None
-    native = arch == "llama" and default_weight_format() == "q4" and \
-        {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES  # kept 4-bit
-    size = path.stat().st_size if native else \
-        4 * sum(int(t.n_elements) for t in reader.tensors)  # dequantized to float32
+    if default_weight_format() == "float32":
+        size = 4 * sum(int(t.n_elements) for t in reader.tensors)
+    elif arch == "llama" and {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES:
+        size = path.stat().st_size  # read as it is
+    else:  # requantized (`stored`: a float32 scale and bias per group), or half precision
+        size = sum(int(t.n_elements) * (
+            (REQUANT_BITS[t.tensor_type.name] + 64 / GROUP_SIZE) / 8
+            if t.tensor_type.name in REQUANT_BITS and len(t.shape) == 2 else
+            2 if t.tensor_type.name in ("F16", "BF16") else 4) for t in reader.tensors)
     return {"model_type": FAMILIES.get(arch, arch),
             "max_position_embeddings": meta.get(f"{arch}.context_length"),
             "quantization": None if kind in (None, "ALL_F32") else kind,
-            "specdec_bytes": size}
+            "specdec_bytes": int(size)}
