@@ -478,13 +478,25 @@ def test_a_models_folder_of_gguf_files_converts_each_when_it_first_loads(
         write_gguf(converted(family, qtype)[0], family, qtype, folder / f"{family}.gguf")
     shutil.copytree(converted("qwen2.5", Q.Q8_0)[0], folder / "plain")  # a model directory
     (folder / "notes.txt").write_text("not a model")
+    bad = gguf.GGUFWriter(str(folder / "rwkv.gguf"), "rwkv6")  # refused when it loads
+    bad.add_tensor("token_embd.weight", np.zeros((2, 4), dtype=np.float32))
+    bad.write_header_to_file()
+    bad.write_kv_data_to_file()
+    bad.write_tensors_to_file()
+    bad.close()
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECDEC_CACHE", str(cache))
     s = serve_app("--models-dir", str(folder), "--draft-model", "none")
     try:
         cards = {m["id"]: m for m in s.http.get("/v1/models").json()["data"]}
-        assert set(cards) == {"mistral", "plain", "qwen3"}
+        assert set(cards) == {"mistral", "plain", "qwen3", "rwkv"}
         assert not cache.exists()  # nothing converted at start
+        for api, body in (("/v1/chat/completions", {}), ("/v1/messages", {"max_tokens": 2})):
+            r = s.http.post(api, json={"model": "rwkv", "messages": MESSAGES, **body})
+            assert r.status_code == 503, r.text  # in the API's shape, naming the cause
+            err = r.json()["error"]
+            assert "architecture 'rwkv6' is not supported" in err["message"]
+            assert err["code"] == "model_load_failed", err
         q = cards["qwen3"]  # from the file's header: GGUF's own names
         assert (q["family"], q["context_length"], q["loaded"]) == ("qwen3", 4096, False)
         r = s.http.post("/v1/chat/completions", json={
