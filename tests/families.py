@@ -66,6 +66,8 @@ class TokenizerKind:
     # real tokenizers add <tool_call> or <think>; and lines trained on besides CORPUS.
     added: tuple[str, ...] = ()
     corpus: tuple[str, ...] = ()
+    # SentencePiece style: a space is prepended to the text (`add_dummy_prefix`).
+    space_prefix: bool = True
 
 
 TOKENIZERS = {
@@ -120,6 +122,9 @@ DEEPSEEK_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
                    "<｜tool▁sep｜>")  # DeepSeek V3: added, not special
 
 TOKENIZERS.update({
+    # Gemma 2 and 3's own SentencePiece model: no space prepended (llama.cpp writes
+    # add_space_prefix false for them).
+    "gemma2": replace(TOKENIZERS["gemma"], space_prefix=False),
     "qwen2.5-tools": replace(TOKENIZERS["chatml"], added=QWEN_TOOL_TOKENS, corpus=TOOL_CORPUS,
                              template=_template("tools_hermes.jinja")),
     "qwen3-tools": replace(TOKENIZERS["chatml"], added=QWEN3_TOOL_TOKENS, corpus=TOOL_CORPUS,
@@ -182,10 +187,12 @@ def make_tokenizer(kind: TokenizerKind, out: Path, vocab: int = 700, think: bool
     else:
         tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
         tok.normalizer = normalizers.Replace(" ", "▁")
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
-                                                     split=False)
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if kind.space_prefix else "never",
+            split=False)
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(
+            steps + ([decoders.Strip(" ", 1, 0)] if kind.space_prefix else []))
         alphabet = []
         # The 256 byte tokens come right after the specials, as in SentencePiece models.
         specials = list(kind.specials) + [f"<0x{b:02X}>" for b in range(256)]
@@ -239,6 +246,10 @@ FAMILIES: dict[str, tuple[str, Any]] = {
     "qwen2.5": ("chatml", lambda v: _common(v, model_type="qwen2", tie_word_embeddings=True)),
     "qwen3": ("chatml", lambda v: _common(v, model_type="qwen3", head_dim=16,
                                           tie_word_embeddings=True)),
+    "gemma2": ("gemma2", lambda v: _common(v, model_type="gemma2", head_dim=16,
+                                           query_pre_attn_scalar=16,
+                                           attn_logit_softcapping=50.0,
+                                           final_logit_softcapping=30.0, sliding_window=4096)),
     "gemma3": ("gemma", lambda v: _common(v, model_type="gemma3_text", head_dim=16,
                                           num_hidden_layers=3, query_pre_attn_scalar=16,
                                           sliding_window=64, sliding_window_pattern=2,
