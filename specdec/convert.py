@@ -1,4 +1,5 @@
-"""Convert a GGUF file (llama, mistral, qwen2, qwen3, phi3) into an mlx-lm model directory.
+"""Convert a GGUF file (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) into an mlx-lm
+model directory.
 
 Tensors are read and dequantized to float32 with the `gguf` package (llama.cpp's own reader,
 numpy only), which knows every block layout (K-quants included). A llama file whose tensors
@@ -20,7 +21,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -38,7 +39,8 @@ END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "
 _TOKEN_TYPE_NORMAL, _TOKEN_TYPE_UNKNOWN, _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER = 1, 2, 3, 4
 
 # GGUF architecture -> mlx-lm model_type. Mistral GGUFs are written as `llama`.
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+            "gemma2": "gemma2", "gemma3": "gemma3_text"}
 # Tensor types MLX's own GGUF reader loads; every other file goes through the `gguf` package.
 MLX_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
 # `q4`: what MLX affine bits a quantized GGUF type is requantized to (about its bits per
@@ -73,8 +75,13 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-# Phi 3 keeps Q/K/V and gate/up fused, in GGUF as in mlx-lm.
-_FUSED_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Phi 3 keeps Q/K/V and gate/up fused, in GGUF as in mlx-lm; Gemma has four norms a block
+# (`ffn_norm` is the one before the MLP).
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_FUSED_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                "gemma2": _GEMMA_NAMES, "gemma3_text": _GEMMA_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: RoPE scaling as per-frequency divisors
 
@@ -321,6 +328,8 @@ def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = Tr
         "specdec_converter_version": CONVERTER_VERSION,
         "specdec_weight_format": fmt,
     }
+    if arch in _GEMMA_ARCHS and rope_freqs is None:
+        return cfg | _gemma_config(arch, g, cfg)
     if arch == "phi3":  # its RoPE switches to long factors past this length
         cfg["original_max_position_embeddings"] = int(g("rope.scaling.original_context_length",
                                                         g("context_length")))
@@ -335,6 +344,52 @@ def build_config(meta: dict[str, Any], fmt: WeightFormat, permuted_qk: bool = Tr
         if rope is not None:
             cfg["rope_scaling"] = rope
     return cfg
+
+
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+
+
+def _gemma_config(arch: str, g: Callable[[str, Any], Any], cfg: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """Gemma 2/3 hyperparameters, read as llama.cpp reads them.
+
+    The query scale has no GGUF key: llama.cpp takes 1/sqrt(head_dim), but 1/sqrt(hidden /
+    heads) for the 27B models, which it tells by their layer count (46 for Gemma 2, 62 for
+    Gemma 3). Gemma 2's sliding window (4096 unless the file says) bounds the context:
+    mlx-lm's gemma2 attends over everything on every layer, which is what llama.cpp's local
+    layers compute only while the sequence fits the window. Gemma 3's layers are sliding but
+    every `sliding_window_pattern`-th (6 unless the file says), those RoPE-based on
+    `rope.freq_base_swa` (10000 unless the file says) and never scaled; a linear RoPE
+    scaling applies to the global layers, as in mlx-lm's gemma3_text.
+    """
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    big = layers == {"gemma2": 46, "gemma3": 62}[arch]
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": cfg["hidden_size"] // heads if big else cfg["head_dim"]}
+    scaling = g("rope.scaling.type", "none")
+    if arch == "gemma2":
+        window = int(g("attention.sliding_window", 4096))
+        out |= {"attn_logit_softcapping": float(g("attn_logit_softcapping", 50.0)),
+                "final_logit_softcapping": float(g("final_logit_softcapping", 30.0)),
+                "sliding_window": window,
+                "max_position_embeddings": min(cfg["max_position_embeddings"], window)}
+    else:
+        window = int(g("attention.sliding_window", 0))
+        pattern = g("attention.sliding_window_pattern", 6)
+        if not window:  # llama.cpp then runs every layer global and soft-caps the logits
+            raise ConversionError("gemma3 GGUF without a sliding window is not supported")
+        if not isinstance(pattern, int) or pattern < 1:
+            raise ConversionError(f"gemma3 GGUF with sliding_window_pattern {pattern!r} is "
+                                  "not supported (a period of layers)")
+        out |= {"sliding_window": window, "sliding_window_pattern": pattern,
+                "rope_local_base_freq": float(g("rope.freq_base_swa", 10000.0))}
+        if scaling == "linear":
+            out["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": float(g("rope.scaling.factor"))}
+            scaling = "none"
+    if scaling != "none":
+        raise ConversionError(f"{arch} GGUF with {scaling} RoPE scaling is not supported")
+    return out
 
 
 def convert_weights(arrays: dict[str, mx.array], fmt: WeightFormat
@@ -389,6 +444,8 @@ def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, np.
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         layer = t.name.split(".")
+        if config["model_type"] in ("gemma2", "gemma3_text") and t.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp writes Gemma's norms as the factor 1 + weight
         if config["model_type"] == "llama" and len(layer) == 4 and layer[2] in heads \
                 and layer[3] == "weight":
             w = _unpermute(w, heads[layer[2]])
@@ -479,8 +536,8 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
     """Convert `gguf` into an mlx-lm model directory at `out_dir`, atomically.
 
     Args:
-        gguf: path of a llama (mistral), qwen2, qwen3 or phi3 GGUF with a GPT-2 BPE or
-            SentencePiece-style tokenizer.
+        gguf: path of a llama (mistral), qwen2, qwen3, phi3, gemma2 or gemma3 GGUF with a
+            GPT-2 BPE or SentencePiece-style tokenizer.
         out_dir: final directory; must not exist yet (an existing one is returned untouched).
         fmt: `float32` (fastest on the CPU backend) or `q4` (Metal/CUDA: MLX's native
             Q4_0/Q4_1/Q8_0 kept quantized; other quantized types requantized to MLX's affine

@@ -1,8 +1,9 @@
 """GGUF files as users have them, written here with llama.cpp's own `gguf` writer from the
 random-weight mlx-lm families (tests/families.py): llama (Q/K permuted as llama.cpp writes
-them), mistral (a llama GGUF with a SentencePiece vocabulary), qwen2, qwen3 (q/k norms) and
-phi3 (fused QKV and gate/up), in F16, Q8_0, Q4_0, Q4_K and Q6_K, with byte-level BPE and
-SentencePiece-style vocabularies.
+them), mistral (a llama GGUF with a SentencePiece vocabulary), qwen2, qwen3 (q/k norms),
+phi3 (fused QKV and gate/up), gemma2 (soft-capping) and gemma3 (sliding-window layers, local
+RoPE base), Gemma's norms written as llama.cpp writes them (1 + weight), in F16, Q8_0, Q4_0,
+Q4_K and Q6_K, with byte-level BPE and SentencePiece-style vocabularies.
 
 The converted model must compute what the source model computes with the file's weights
 (the source's weights rounded through the file's type), its tokenizer must encode and decode
@@ -26,29 +27,39 @@ import numpy as np
 import pytest
 
 from specdec import blas
-from specdec.convert import (ConversionError, build_tokenizer_files, convert_gguf,
-                             llama3_divisors, read_metadata)
+from specdec.convert import (ConversionError, build_config, build_tokenizer_files,
+                             convert_gguf, llama3_divisors, read_metadata)
 from specdec.engine import Engine
 from specdec.models import load
 from specdec.speculative import SpecConfig
 from tests import tally
 from tests.exactness import MODES, run_cells
-from tests.families import TOKENIZERS, make_family
+from tests.families import FAMILIES, TOKENIZERS, make_family
 from tests.test_families import CELLS, MAX_TOKENS, MESSAGES, SCHEMA
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-ARCH = {"llama3-tied": "llama", "llama3-untied": "llama", "mistral": "llama", "qwen2.5": "qwen2",
-        "qwen3": "qwen3",
-        "phi3": "phi3"}
+ARCH = {"llama3-tied": "llama", "llama3-untied": "llama", "mistral": "llama",
+        "qwen2.5": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+        "gemma3": "gemma3"}
+GEMMA = ("gemma2", "gemma3")
 SIZES = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}  # K-quant rows: 256
+# Gemma's query scale is 1/sqrt(head_dim) below 27B (llama.cpp has no key for it); Gemma 3's
+# global RoPE base differs from its local layers' (10000).
+FAMILY_SIZES = {"gemma2": {"query_pre_attn_scalar": 64},
+                "gemma3": {"query_pre_attn_scalar": 64, "rope_theta": 1_000_000.0}}
+# Gemma 3 with Gemma's own tokenizer (no space prefix: llama.cpp writes add_space_prefix false).
+TOKENIZER = {"gemma3": "gemma2"}
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
 TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 # Byte offsets of the f16 super-block scales in a K-quant block (d, then dmin where it has one).
 K_SCALES = {Q.Q2_K: ((80, 1e-4), (82, 1e-4)), Q.Q3_K: ((108, 3e-5),),
@@ -58,12 +69,12 @@ TEXT = ("  Héllo wörld, naïve café — crème brûlée 東京の天気 数�
         "def f(x):\n    return {\"a\": x ** 2}  # 12345\n\t tabs   and  spaces ")
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str) -> str:
     stem, _, suffix = hf.rpartition(".")
     if stem in TOP:
         return f"{TOP[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{NAMES[rest]}.{suffix}"
+    return f"blk.{layer}.{(NAMES | (GEMMA_NAMES if arch in GEMMA else {}))[rest]}.{suffix}"
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -103,17 +114,25 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = Tr
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    if arch == "gemma2":  # as llama.cpp's Gemma2Model: no RoPE keys (base 10000)
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    else:
+        w.add_rope_freq_base(cfg["rope_theta"])
+    if arch == "gemma3":  # the pattern, which llama.cpp otherwise takes as 6
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern(cfg["sliding_window_pattern"])
+    elif arch != "gemma2":
+        w.add_rope_dimension_count(cfg["head_dim"])
 
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     vocab = tok.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get)
     added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
-    kind = TOKENIZERS[{"llama3-tied": "llama3", "llama3-untied": "llama3",
-                       "mistral": "mistral"}.get(family, "chatml")]
+    kind = TOKENIZERS[TOKENIZER.get(family) or FAMILIES[family][0]]
     if kind.byte_level:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
@@ -127,7 +146,7 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = Tr
         types = [2 if t == "<unk>" else 6 if t.startswith("<0x") else
                  3 if added.get(t) else 4 if t in added else 1 for t in tokens]
         w.add_unk_token_id(vocab["<unk>"])
-        w.add_add_space_prefix(True)
+        w.add_add_space_prefix(kind.space_prefix)
     w.add_token_list(tokens)
     w.add_token_types(types)
     if kind.bos:
@@ -142,8 +161,12 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = Tr
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name, value in sorted(mx.load(str(src / "model.safetensors")).items()):
         x = np.array(value.astype(mx.float32))
+        if arch in GEMMA and name.endswith("norm.weight"):  # llama.cpp: 1 + weight
+            x = x + np.float32(1)
+            held[name] = mx.array(x - np.float32(1))  # what the file holds, in mlx-lm terms
         if x.ndim == 1:
-            data, dtype, held[name] = x, Q.F32, mx.array(x)
+            data, dtype = x, Q.F32
+            held.setdefault(name, mx.array(x))
         else:
             data = x.astype(np.float16) if qtype == Q.F16 else quantized(x, qtype, rng)
             dtype = qtype
@@ -151,7 +174,7 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = Tr
             proj = name.split(".")[-2]
             if arch == "llama" and proj in heads:
                 data = permute(data, heads[proj])
-        w.add_tensor(gguf_name(name), data, raw_dtype=dtype)
+        w.add_tensor(gguf_name(name, arch), data, raw_dtype=dtype)
     if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
         # Llama 3.1+: llama.cpp writes the scaling as per-frequency divisors, not parameters.
         w.add_tensor("rope_freqs.weight", llama3_divisors(
@@ -161,6 +184,17 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = Tr
     w.write_tensors_to_file()
     w.close()
     return held
+
+
+def vary_norms(src: Path) -> None:
+    """Give every norm of `src` its own random weights (a new model's are all equal), so a
+    norm read under another one's name changes the logits."""
+    weights = mx.load(str(src / "model.safetensors"))
+    rng = np.random.default_rng(1)
+    for name, value in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = mx.array(rng.uniform(-0.5, 0.5, value.shape).astype(np.float32))
+    mx.save_safetensors(str(src / "model.safetensors"), weights)
 
 
 def source_with(src: Path, weights: dict[str, mx.array]):
@@ -177,7 +211,8 @@ CASES = [("qwen3", Q.F32), ("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.Q8
          ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K),
          ("llama3-untied", Q.F16), ("llama3-untied", Q.Q5_K),
          ("qwen3", Q.BF16), ("qwen2.5", Q.Q5_0), ("mistral", Q.Q5_1), ("phi3", Q.Q4_1),
-         ("qwen2.5", Q.Q3_K), ("phi3", Q.Q2_K), ("phi3", Q.Q8_0), ("phi3", Q.Q6_K)]
+         ("qwen2.5", Q.Q3_K), ("phi3", Q.Q2_K), ("phi3", Q.Q8_0), ("phi3", Q.Q6_K),
+         ("gemma2", Q.F16), ("gemma2", Q.Q4_K), ("gemma3", Q.F16), ("gemma3", Q.Q6_K)]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +224,10 @@ def converted(tmp_path_factory):
         if (family, qtype) not in made:
             src = root / family
             if not (src / "config.json").exists():
-                make_family(family, src, sizes=SIZES)
+                make_family(family, src, sizes=SIZES | FAMILY_SIZES.get(family, {}),
+                            tokenizer=TOKENIZER.get(family))
+                if family in GEMMA:  # four norms a block, each under its own name
+                    vary_norms(src)
             path = root / f"{family}-{qtype.name}.gguf"
             held = write_gguf(src, family, qtype, path)
             out = convert_gguf(path, root / f"{family}-{qtype.name}", progress=False)
@@ -202,7 +240,8 @@ def converted(tmp_path_factory):
 def test_converted_gguf_computes_what_the_source_computes(converted, family, qtype):
     src, held, out = converted(family, qtype)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == ARCH[family]  # mistral is written (and runs) as llama
+    # mistral is written (and runs) as llama
+    assert cfg["model_type"] == {"gemma3": "gemma3_text"}.get(ARCH[family], ARCH[family])
     # Llama 3.1's scaling, stored as rope_freqs divisors, is read back as its parameters.
     assert cfg.get("rope_scaling") == json.loads((src / "config.json").read_text()).get(
         "rope_scaling")
@@ -250,7 +289,7 @@ def test_llama3_rope_scaling_is_read_back_from_rope_freqs(base, dims, factor, ol
             llama3_rope_scaling(bad, base, dims)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "llama3-tied"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "llama3-tied", "gemma2"])
 def test_tokenizer_and_template_from_metadata_equal_the_sources(converted, family):
     from transformers import PreTrainedTokenizerFast
 
@@ -272,8 +311,9 @@ def test_tokenizer_and_template_from_metadata_equal_the_sources(converted, famil
     assert load(str(out)).eos_token_ids  # from metadata
 
 
-@pytest.mark.parametrize("family,qtype", [("qwen3", Q.Q4_K), ("mistral", Q.Q6_K)],
-                         ids=["qwen3-Q4_K", "mistral-Q6_K"])
+@pytest.mark.parametrize("family,qtype", [("qwen3", Q.Q4_K), ("mistral", Q.Q6_K),
+                                          ("gemma2", Q.Q4_K)],
+                         ids=["qwen3-Q4_K", "mistral-Q6_K", "gemma2-Q4_K"])
 def test_constrained_decoding_and_speculation_hold_on_a_converted_gguf(converted, family,
                                                                          qtype):
     assert blas.active() == "reference"
@@ -408,6 +448,50 @@ def test_bpe_pre_tokenizer_follows_tokenizer_ggml_pre(converted, tmp_path, pre):
     assert ours.decode(ours.encode(text).ids) == text
     gpt2 = Tokenizer.from_file(str(src / "tokenizer.json"))  # the split matters here
     assert gpt2.encode(text).ids != tok.encode(text).ids
+
+
+def gemma_meta(arch: str, layers: int, **keys) -> dict:
+    """The metadata of a Gemma 2/3 GGUF as llama.cpp writes it (27B sizes), plus `keys`."""
+    meta = {"general.architecture": arch, "tokenizer.ggml.tokens": ["<eos>", "a"],
+            "tokenizer.ggml.eos_token_id": 0}
+    hparams = {"block_count": layers, "context_length": 8192, "embedding_length": 4608,
+               "feed_forward_length": 36864, "attention.head_count": 32,
+               "attention.head_count_kv": 16, "attention.key_length": 128,
+               "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1_000_000.0}
+    for key, value in (hparams | keys).items():
+        meta[f"{arch}.{key}"] = value
+    return meta
+
+
+def test_gemma_hyperparameters_are_read_as_llama_cpp_reads_them():
+    # The query scale: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) on the 27B models.
+    cfg = build_config(gemma_meta("gemma2", 46), "float32")
+    assert cfg["query_pre_attn_scalar"] == 4608 // 32 == 144
+    assert build_config(gemma_meta("gemma2", 42), "float32")["query_pre_attn_scalar"] == 128
+    # Gemma 2's defaults; the context is capped at the window (mlx-lm's gemma2 has none).
+    assert (cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"]) == (50.0, 30.0)
+    assert cfg["sliding_window"] == cfg["max_position_embeddings"] == 4096
+    cfg = build_config(gemma_meta("gemma3", 62, embedding_length=5376,
+                                  **{"attention.sliding_window": 1024}), "float32")
+    assert cfg["model_type"] == "gemma3_text" and cfg["query_pre_attn_scalar"] == 5376 // 32
+    assert (cfg["sliding_window"], cfg["sliding_window_pattern"]) == (1024, 6)
+    assert (cfg["rope_theta"], cfg["rope_local_base_freq"]) == (1_000_000.0, 10000.0)
+    assert "rope_scaling" not in cfg
+    cfg = build_config(gemma_meta("gemma3", 34, **{
+        "attention.sliding_window": 1024, "attention.sliding_window_pattern": 4,
+        "rope.freq_base_swa": 20000.0, "rope.scaling.type": "linear",
+        "rope.scaling.factor": 8.0}), "float32")
+    assert cfg["query_pre_attn_scalar"] == 128 and cfg["sliding_window_pattern"] == 4
+    assert cfg["rope_local_base_freq"] == 20000.0
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}  # global layers
+    for meta, message in (
+            (gemma_meta("gemma3", 26), "gemma3 GGUF without a sliding window"),
+            (gemma_meta("gemma3", 26, **{"attention.sliding_window": 512,
+                                         "rope.scaling.type": "yarn"}), "yarn RoPE scaling"),
+            (gemma_meta("gemma2", 26, **{"rope.scaling.type": "linear"}),
+             "gemma2 GGUF with linear RoPE scaling")):
+        with pytest.raises(ConversionError, match=message):
+            build_config(meta, "float32")
 
 
 def test_an_unknown_bpe_pre_tokenizer_is_refused():
