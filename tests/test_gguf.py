@@ -206,7 +206,8 @@ def source_with(src: Path, weights: dict[str, mx.array]):
 
 
 # (family, type): every family in F16 and a K-quant, every type on some family.
-CASES = [("qwen3", Q.F32), ("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.Q8_0), ("qwen2.5", Q.Q6_K),
+CASES = [("qwen3", Q.F32), ("qwen3", Q.F16), ("qwen3", Q.Q4_K), ("qwen2.5", Q.F16),
+         ("qwen2.5", Q.Q8_0), ("qwen2.5", Q.Q6_K), ("phi3", Q.F16),
          ("mistral", Q.F16), ("mistral", Q.Q4_0), ("mistral", Q.Q6_K),
          ("llama3-tied", Q.F16), ("llama3-tied", Q.Q4_K),
          ("llama3-untied", Q.F16), ("llama3-untied", Q.Q5_K),
@@ -311,9 +312,12 @@ def test_tokenizer_and_template_from_metadata_equal_the_sources(converted, famil
     assert load(str(out)).eos_token_ids  # from metadata
 
 
-@pytest.mark.parametrize("family,qtype", [("qwen3", Q.Q4_K), ("mistral", Q.Q6_K),
-                                          ("gemma2", Q.Q4_K)],
-                         ids=["qwen3-Q4_K", "mistral-Q6_K", "gemma2-Q4_K"])
+SPEC_CASES = [("qwen3", Q.Q4_K), ("mistral", Q.Q6_K), ("gemma2", Q.Q4_K),
+              ("llama3-tied", Q.Q4_0), ("llama3-untied", Q.Q5_K), ("qwen2.5", Q.Q6_K),
+              ("phi3", Q.Q8_0)]  # every family whose cache speculation can roll back
+
+
+@pytest.mark.parametrize("family,qtype", SPEC_CASES, ids=[f"{f}-{q.name}" for f, q in SPEC_CASES])
 def test_constrained_decoding_and_speculation_hold_on_a_converted_gguf(converted, family,
                                                                          qtype):
     assert blas.active() == "reference"
