@@ -30,7 +30,7 @@ REQUIRED = (
     "accepted_per_round_tree", "serving_tree_over_chain_c1", "serving_tree_over_chain_c8",
     "budget_on_over_off", "budget_closing_p50_ms", "budget_closing_p99_ms",
     "models_ttft_cold_s", "models_ttft_loaded_s", "models_tok_s_each_alone",
-    "models_tok_s_two_together",
+    "models_tok_s_two_together", "gguf_q4_over_float32_decode",
 )
 
 
