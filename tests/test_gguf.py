@@ -186,14 +186,15 @@ def write_gguf(src: Path, family: str, qtype: Q, path: Path, template: bool = Tr
     return held
 
 
-def vary_norms(src: Path) -> None:
-    """Give every norm of `src` its own random weights (a new model's are all equal), so a
-    norm read under another one's name changes the logits."""
+def vary_norms(src: Path, around: float) -> None:
+    """Give every norm of `src` its own random weights around `around` (a new model's are
+    all equal), so a norm read under another one's name changes the logits."""
     weights = mx.load(str(src / "model.safetensors"))
     rng = np.random.default_rng(1)
     for name, value in weights.items():
         if name.endswith("norm.weight"):
-            weights[name] = mx.array(rng.uniform(-0.5, 0.5, value.shape).astype(np.float32))
+            weights[name] = mx.array(rng.uniform(around - 0.5, around + 0.5, value.shape)
+                                     .astype(np.float32))
     mx.save_safetensors(str(src / "model.safetensors"), weights)
 
 
@@ -227,8 +228,8 @@ def converted(tmp_path_factory):
             if not (src / "config.json").exists():
                 make_family(family, src, sizes=SIZES | FAMILY_SIZES.get(family, {}),
                             tokenizer=TOKENIZER.get(family))
-                if family in GEMMA:  # four norms a block, each under its own name
-                    vary_norms(src)
+                # (Gemma's norms scale by 1 + weight: four a block, each its own name)
+                vary_norms(src, 0.0 if family in GEMMA else 1.0)
             path = root / f"{family}-{qtype.name}.gguf"
             held = write_gguf(src, family, qtype, path)
             out = convert_gguf(path, root / f"{family}-{qtype.name}", progress=False)
