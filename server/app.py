@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -198,35 +198,39 @@ def model_health(s: Seat) -> dict[str, Any]:
 def model_metrics(fleet: Fleet) -> str:
     """Prometheus lines per served model: loaded or not, loads, unloads, load seconds,
     requests and output tokens."""
-    lines = []
-    for name, kind, value in (
-            ("model_loaded", "gauge", lambda s: int(s.engine is not None)),
-            ("model_loads_total", "counter", lambda s: s.loads),
-            ("model_evictions_total", "counter", lambda s: s.evictions),
-            ("model_load_seconds_total", "counter", lambda s: s.load_s),
-            ("model_requests_total", "counter", lambda s: s.requests),
-            ("model_completion_tokens_total", "counter", lambda s: s.tokens)):
-        lines.append(f"# TYPE specdec_{name} {kind}")
-        lines += [f'specdec_{name}{{model="{s.name}"}} {value(s):g}' for s in fleet.seats]
-    return "\n".join(lines) + "\n"
+    return _per_model([(s.name, s) for s in fleet.seats], (
+        ("model_loaded", "gauge", lambda s: int(s.engine is not None)),
+        ("model_loads_total", "counter", lambda s: s.loads),
+        ("model_evictions_total", "counter", lambda s: s.evictions),
+        ("model_load_seconds_total", "counter", lambda s: s.load_s),
+        ("model_requests_total", "counter", lambda s: s.requests),
+        ("model_completion_tokens_total", "counter", lambda s: s.tokens)))
 
 
 def grammar_metrics(fleet: Fleet) -> str:
     """Prometheus lines per loaded model's compiled-grammar cache: its bytes (as measured
     when each grammar compiled), its size limit, the grammars it holds, and the compiles,
     reuses and evictions so far."""
-    seats = [(s.name, c) for s in fleet.seats
-             if (c := getattr(s.engine, "compiler", None)) is not None]
+    return _per_model([(s.name, c) for s in fleet.seats
+                       if (c := getattr(s.engine, "compiler", None)) is not None], (
+        ("grammar_cache_bytes", "gauge", lambda c: c.cached_bytes),
+        ("grammar_cache_limit_bytes", "gauge", lambda c: c.cache_bytes),
+        ("grammar_cache_grammars", "gauge", lambda c: c.cached),
+        ("grammar_compiles_total", "counter", lambda c: c.misses),
+        ("grammar_cache_hits_total", "counter", lambda c: c.hits),
+        ("grammar_cache_evictions_total", "counter", lambda c: c.evictions)))
+
+
+def _per_model(items: list[tuple[str, Any]],
+               families: tuple[tuple[str, str, Callable[[Any], float]], ...]) -> str:
+    """Prometheus text of metric `families` (name, type, value of an item) for each
+    (model name, item); integers exactly, other numbers as %g."""
     lines = []
-    for name, kind, value in (
-            ("grammar_cache_bytes", "gauge", lambda c: c.cached_bytes),
-            ("grammar_cache_limit_bytes", "gauge", lambda c: c.cache_bytes),
-            ("grammar_cache_grammars", "gauge", lambda c: c.cached),
-            ("grammar_compiles_total", "counter", lambda c: c.misses),
-            ("grammar_cache_hits_total", "counter", lambda c: c.hits),
-            ("grammar_cache_evictions_total", "counter", lambda c: c.evictions)):
+    for name, kind, value in families:
         lines.append(f"# TYPE specdec_{name} {kind}")
-        lines += [f'specdec_{name}{{model="{n}"}} {value(c)}' for n, c in seats]
+        lines += [f'specdec_{name}{{model="{n}"}} '
+                  f'{v if isinstance(v := value(x), int) else format(v, "g")}'
+                  for n, x in items]
     return "\n".join(lines) + "\n"
 
 
