@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 from specdec.types import FinishReason
 
 from .door import Float, Int, Unmodeled, integral, within_context
-from .openapi import GENERATE_RESPONSES
+from .openapi import GENERATE_RESPONSES, sse
 
 # -- requests ---------------------------------------------------------------------------------
 # Fields OpenAI clients send that cannot change the answer: accepted and ignored.
@@ -372,12 +372,9 @@ class Completion(BaseModel):
     specdec: dict[str, Any]
 
 
-SSE = {"text/event-stream": {
-    "description": "with stream: true, server-sent events: each `data` a JSON chunk "
-                   "(chat.completion.chunk / text_completion; an error object after a "
-                   "failure), then `[DONE]`",
-    "schema": {"type": "object", "required": ["data"],
-               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+SSE = sse("with stream: true, server-sent events: each `data` a JSON chunk "
+          "(chat.completion.chunk / text_completion; an error object after a failure), then "
+          "`[DONE]`")
 CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": ChatCompletion, "content": SSE}, **GENERATE_RESPONSES}
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -106,12 +106,12 @@ def describe(spec: ModelSpec) -> dict[str, Any]:
     it first loads, not at start)."""
     from specdec.convert import describe_gguf
     from specdec.errors import ConversionError, ModelConfigError
-    from specdec.models import resolve_model_path
+    from specdec.models import default_weight_format, resolve_model_path
 
     path = Path(spec.path).expanduser()
     if path.suffix.lower() == ".gguf" and path.is_file():
         try:
-            return describe_gguf(path)
+            return describe_gguf(path, default_weight_format())
         except ConversionError as e:
             raise ModelConfigError(f"model {spec.name!r}: {e}") from None
     return json.loads((resolve_model_path(spec.path) / "config.json").read_text())

@@ -46,6 +46,7 @@ from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warnin
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
+from .openapi import sse as sse_body
 
 PREFIX = "/v1/messages"
 # The engine's neutral parameter names -> this API's.
@@ -337,7 +338,8 @@ _ERROR = {"description": "Anthropic's error shape", "content": {"application/jso
                                                              "message": {"type": "string"}}}}}}}}
 RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "a Message; with stream: true, its server-sent events",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": sse_body("each event named by its type (message_start ... message_stop), "
+                              "its `data` the event's JSON")},
     **{c: _ERROR for c in (400, 401, 404, 413, 503, 504)}}
 
 

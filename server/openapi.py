@@ -70,6 +70,14 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 GENERATE_RESPONSES = error_responses(400, 401, 404, 413, 503, 504)
 
 
+def sse(description: str) -> dict[str, Any]:
+    """A `text/event-stream` body: each server-sent event (its `data`, and its `event` name
+    where the API names them) as clients and schema checkers parse one."""
+    return {"text/event-stream": {"description": description, "schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+
+
 def openapi(app: Any, bodies: dict[str, type[BaseModel]], vocab_size: int | None = None
             ) -> dict[str, Any]:
     """The app's OpenAPI document with the request bodies the handlers parse (`bodies`:

@@ -45,7 +45,7 @@ from specdec.sampling import SamplingParams
 
 from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
 from .errors import bad_request, message_of, openai_body, openai_response
-from .openapi import GENERATE_RESPONSES
+from .openapi import GENERATE_RESPONSES, sse as sse_body
 from .responses_wire import FunctionChoice, NEEDS, UNMODELED, ResponsesRequest
 
 PREFIX = "/v1/responses"
@@ -267,7 +267,8 @@ RESPONSES: dict[int | str, dict[str, Any]] = {200: {
     "description": "a Response object; with stream: true, its server-sent events "
                    "(response.created ... response.completed / incomplete / failed)",
     "content": {"application/json": {"schema": {"type": "object"}},
-                "text/event-stream": {"schema": {"type": "string"}}}}, **GENERATE_RESPONSES}
+                **sse_body("with stream: true: each event named by its type, its `data` the "
+                      "event's JSON")}}, **GENERATE_RESPONSES}
 
 
 def error(e: SpecdecError) -> JSONResponse:

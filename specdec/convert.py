@@ -618,17 +618,16 @@ def convert_gguf(gguf: Path, out_dir: Path, fmt: WeightFormat = "float32",
     return out_dir
 
 
-def describe_gguf(path: Path) -> dict[str, Any]:
+def describe_gguf(path: Path, fmt: WeightFormat) -> dict[str, Any]:
     """What a GGUF file's header says of its model, without converting it: `model_type`,
     `max_position_embeddings` and `quantization` (llama.cpp's file type: `Q4_K_M`), as a
-    config.json would say them, and `specdec_bytes`, the weights' memory once converted.
+    config.json would say them, and `specdec_bytes`, the weights' memory once converted to
+    `fmt`.
 
     Raises:
         ConversionError: not a GGUF file the `gguf` package reads.
     """
     from gguf import GGUFReader, LlamaFileType
-
-    from .models import default_weight_format
 
     try:
         reader = GGUFReader(path)
@@ -641,7 +640,7 @@ def describe_gguf(path: Path) -> dict[str, Any]:
         kind = LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
     except (KeyError, ValueError):
         kind = None
-    if default_weight_format() == "float32":
+    if fmt == "float32":
         size = 4 * sum(int(t.n_elements) for t in reader.tensors)
     elif arch == "llama" and {t.tensor_type.name for t in reader.tensors} <= MLX_NATIVE_TYPES:
         size = path.stat().st_size  # read as it is
