@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import llguidance
@@ -171,9 +172,10 @@ class _MallocStatistics(ctypes.Structure):
                 ("max_size_in_use", ctypes.c_size_t), ("size_allocated", ctypes.c_size_t)]
 
 
-def _heap_reader() -> "Any":
+def _heap_reader() -> "Callable[[], int] | None":
     """The C heap's bytes in use, read from the allocator: glibc's `mallinfo2` (every arena
-    and the mapped chunks) or macOS's default zone statistics; None where neither is there.
+    and the mapped chunks) or macOS's statistics of every malloc zone; None where neither
+    is there.
     llguidance allocates through the C heap, and exposes no size of its own."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
