@@ -17,8 +17,8 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import llguidance
