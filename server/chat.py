@@ -33,7 +33,7 @@ from specdec.sampling import SamplingError, SamplingParams
 from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
                         COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
                         CompletionRequest, TextPart, ToolResult, SamplingFields)
-from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
+from .door import Door, Run, RunResponse, extension, request_headers, spec_overrides, sse
 from .errors import bad_request, openai_body, openai_response, wire_param
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
@@ -255,7 +255,7 @@ async def _serve(door: Door, http: Request, body: Body, greq: GenerateRequest) -
     chat = isinstance(body, ChatCompletionRequest)
     run = await door.open(greq, http, door.route(body.model))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    headers = warning_header(run.request.warnings)
+    headers = request_headers(run.request)
     if body.stream:
         return RunResponse(run, _chunks(door, run, body, rid, chat), headers)
     async for ev in run.events():

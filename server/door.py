@@ -41,7 +41,7 @@ from specdec.engine import Engine
 from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, RequestError,
                             SpecdecError)
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
-from specdec.request import GenerateRequest, Request, SpecOverrides
+from specdec.request import UNGUARANTEED, GenerateRequest, Request, SpecOverrides
 
 from .errors import WireError, bad_request, ref_of
 from .fleet import Fleet, Seat
@@ -505,7 +505,8 @@ class Run:
                 if isinstance(ev, Finished):
                     self.door.metrics.observe(len(self.request.prompt_ids),
                                               ev.usage.completion_tokens, ev.stats.counters,
-                                              ev.stats.seconds)
+                                              ev.stats.seconds,
+                                              unguaranteed=bool(self.request.unguaranteed))
                     self.seat.tokens += ev.usage.completion_tokens
                 yield ev
                 if isinstance(ev, (Finished, Failed)):
@@ -643,7 +644,18 @@ def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> di
             "grammar_cuts": c.grammar_cuts, "budget_steered": c.budget_steered,
             "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
             "seconds": round(stats.seconds, 6), "warnings": list(warnings),
+            **({UNGUARANTEED: run.request.unguaranteed} if run.request.unguaranteed else {}),
             **({"spec_off": c.spec_off} if getattr(c, "spec_off", "") else {})}
+
+
+def request_headers(request: Request) -> dict[str, str]:
+    """The response headers every API adds for a request: `Warning` (what the constraint
+    does not enforce) and, where the budget rule is off, `specdec-budget-unguaranteed`
+    naming why."""
+    out = warning_header(request.warnings)
+    if request.unguaranteed:
+        out["specdec-budget-unguaranteed"] = json.dumps(request.unguaranteed)[1:-1][:500]
+    return out
 
 
 def warning_header(warnings: tuple[str, ...], limit: int = 2000) -> dict[str, str]:

@@ -42,7 +42,7 @@ from specdec.grammar import Constraint
 from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
 from specdec.sampling import SamplingParams
 
-from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
+from .door import Door, Run, RunResponse, extension, request_headers, spec_overrides, sse
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
@@ -360,7 +360,7 @@ def router(door: Door) -> APIRouter:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         blocks = Blocks(omit_thinking=body.thinking is not None
                         and body.thinking.display == "omitted")
-        headers = {"request-id": msg_id, **warning_header(run.request.warnings)}
+        headers = {"request-id": msg_id, **request_headers(run.request)}
         if body.stream:
             return RunResponse(run, _stream(run, msg_id, blocks), headers)
         done: Finished | None = None

@@ -43,7 +43,7 @@ from specdec.grammar import Constraint
 from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
 from specdec.sampling import SamplingParams
 
-from .door import Door, Run, RunResponse, extension, spec_overrides, sse, warning_header
+from .door import Door, Run, RunResponse, extension, request_headers, spec_overrides, sse
 from .errors import bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES, sse as sse_body
 from .responses_wire import FunctionChoice, NEEDS, UNMODELED, ResponsesRequest
@@ -285,7 +285,7 @@ def router(door: Door) -> APIRouter:
         greq = to_request(body)
         run = await door.open(greq, http, seat)
         w = Writer(head(body, run, run.model), run)
-        headers = warning_header(run.request.warnings)
+        headers = request_headers(run.request)
         if body.stream:
             return RunResponse(run, _stream(w), headers)
         last: list[Wire] = []

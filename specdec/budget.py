@@ -30,35 +30,90 @@ takes until the grammar may end (`is_accepting`), one token a step, at most `lim
      tokens (or may end);
   4. else, of the *candidates* the mask allows, the one whose bytes change the level the
      least (closing most), ties to a special token, then to the shortest, then to the
-     first by their bytes in the byte order `"` `}` `]` `,` space `0`-`9` `a`-`z` `A`-`Z`, then every other byte
-     ascending; none allowed: the lowest allowed id (an empty mask: no closing).
+     first by their bytes in the byte order `"` `}` `]` `,` space `.` `:` `@` `/` `1`-`9`
+     `0` `a`-`z` `A`-`Z`, then every other byte ascending (separators before the bytes
+     they separate; no year 0); none allowed: the lowest allowed id (an empty mask: no closing).
 The candidates are the special tokens (markup: no text, no level change; first among
 equal changes, by id), the tokens made only of the bytes `"{}[],: ` and the one-byte tokens.
-`need(state)`: the walk's length; the request's *minimum* is the need at its start.
+
+**Stalls and the search.** At each step of 2-4 the walk notes the state's *signature*: its
+mask and its place (the level reader's state and, with hints, the output's last tokens).
+The walk *stalls* when it meets one signature for the `REPEAT`-th (16th) time, or when it
+reaches `limit` (or the grammar errs) having met its last signature more than once: it
+keeps coming back to a state its steps do not leave (an email's local part: the `@` is
+never the candidate that closes most). Then, from the step where it first met that
+signature (the state and place there), a *search* finds the shortest way on, and the walk
+goes on after it (noting signatures afresh). Where the search finds nothing, the walk goes
+on from where it stalled as if it had not, stalling no more (a long count, such as
+`minItems: 500`, is walked to its end). A stall where the last signature was met once
+only (or none: the walk only forced), or at `limit` after a search found nothing, is no
+closing.
+
+The search from a state is breadth-first over token paths, depth by depth (at most the
+walk's tokens left): at each depth, the first path in order whose state may end, or whose
+level is below the level where the search started, is its result. Each path of the depth
+is extended, in order, by its successors: where step 0 or 1 forces a token, that token;
+else, where a path with the same signature was extended earlier in this search, the
+tokens that extension kept; else the *search tokens* the mask allows, in the candidates'
+tie order (the special tokens, the structure tokens and the one-byte tokens of printable
+ASCII, 0x20-0x7E), then, where the mask allows at most `FEW` tokens, the others by id, then
+each hint's next token (its longest start the output ends with, else its first) where
+allowed and not listed yet. An extension keeps, for each signature its successors reach,
+the first token that reached it. Of the new paths of a depth, one whose signature equals
+an earlier one's is dropped. The search gives up (no closing) after making `PROBES` (4096)
+successor states.
+
+Last, the closing is *written anew* where that is shorter: each run of its tokens between
+special tokens is replaced by the tokenizer's own tokens for the run's bytes
+(`tokenize_bytes`); where the result has fewer tokens, the grammar takes it from the
+state and may end after it, it is the closing.
+
+`need(state)`: the closing's length; the request's *minimum* is the need at its start.
 
 **The rule** at an output position with `left` tokens of the budget (this one included),
-after the decision rule picked `t` from its scores (`sampling.pick_scores`):
+after the decision rule picked `t` from its scores (`sampling.pick_scores`). The rule
+remembers `known`: the closing it proved for the token the previous position took (from
+the state after it); none at its first check. A token's *proof* within `n` tokens is: an
+end token, `[]` where the grammar may end here (else none); else, from `known`, its rest
+where the token is its first and the rest has at most `n` tokens; else `known` itself
+where it has at most `n` tokens and the grammar takes the token, then `known`, and may
+end; else the closing from the state after the token, within `n`. Then:
   - while `left - 1 >= window` (`window` = the minimum + `SLACK`), nothing is checked;
-  - else `t` stands when the walk from the state after `t` closes within `left - 1` tokens
-    (an end token: when the grammar may end here);
-  - else, when the walk from the current state closes within `left` tokens, the position
-    takes the first of the row's `CANDIDATES` best-scoring tokens (score descending, then id;
-    finite scores only) whose walk closes within `left - 1`, or else the walk's own first
-    token (which always does: the walk from there is the rest of this one; where the
-    grammar may end already, the lowest end-of-output id);
+  - else `t` stands when it has a proof within `left - 1`;
+  - else, when there is a closing from the current state within `left` (`known` where it
+    has at most `left` tokens, else the closing from here), the position takes the first
+    of the row's `CANDIDATES` best-scoring tokens (score descending, then id; finite scores
+    only) with a proof within `left - 1`, or else that closing's first token (its rest
+    the proof; where the grammar may end already, the lowest end-of-output id);
   - else (no closing within `left`: the document cannot be completed) `t` stands.
+The proof of the token the position takes becomes `known`.
 A position where the rule changed the pick is *steered*; a request with a steered position
-ends with finish "length" (the budget forced the close), its document complete.
+ends with finish "length" (the budget forced its close), its document complete.
+
+A request whose minimum is not found (no closing within `NEED_LIMIT` tokens, or a search
+that gave up) is served without the rule, and says so (`budget_unguaranteed`).
+
+The closing's work counts in the request's grammar budget (`config.MaskBudget`, `Spend`):
+a fill slower than its `mask_s`, or the rule's work in all past what is left of its
+`total_s`, stops the request (`Overspent`, a `GrammarTooComplex` to the client), as any
+other fill would; the minimum's
+search at preparation has `MINIMUM_S` seconds, past which the rule is off for the request
+(`budget_unguaranteed`).
 
 Logprobs stay those of the grammar-masked distribution (the rule filters the pick, not the
-distribution). The walk costs a few mask fills a step (a fill is ~5-50 us on a 49k
-vocabulary); it runs only in the last `window` tokens of a request.
+distribution). A check costs a replay of the remembered closing (a few token steps) and,
+where the output left it, a walk (a few mask fills a step); it runs only in the last
+`window` tokens of a request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import llguidance.numpy as llnp
 import numpy as np
@@ -66,12 +121,15 @@ import numpy as np
 from .types import TokenId
 
 STRUCTURE = frozenset(b'"{}[],: ')
-BYTE_ORDER = (b'"}], ' + bytes(range(0x30, 0x3A)) + bytes(range(0x61, 0x7B))
+BYTE_ORDER = (b'"}], .:@/' + b"1234567890" + bytes(range(0x61, 0x7B))
               + bytes(range(0x41, 0x5B)))
 SLACK = 64  # the rule is checked from `minimum + SLACK` tokens before the budget's end
 CANDIDATES = 8  # the row's best-scoring tokens the rule considers before the walk's own
 NEED_LIMIT = 4096
-FEW = 16  # where the mask allows at most this many tokens, one that ends the grammar first  # the longest walk measured for a request's minimum
+FEW = 16  # where the mask allows at most this many tokens, one that ends the grammar first
+REPEAT = 16  # the walk stalls where it meets one state this many times
+PROBES = 4096  # the most states one search makes
+MINIMUM_S = 2.0  # the longest the minimum's closing may take to find at preparation
 _RANK = {c: n for n, c in enumerate(BYTE_ORDER)}
 
 
@@ -126,16 +184,23 @@ class ClosingOrder:
     candidates: np.ndarray
     vocab_size: int
     _deltas: dict = field(default_factory=dict, repr=False, compare=False)
+    specials: frozenset[int] = frozenset()
+    # the tokenizer's own tokens for some bytes (a closing written anew), if known
+    tokenize: Callable[[bytes], list[TokenId]] | None = field(default=None, repr=False,
+                                                               compare=False)
 
     @staticmethod
-    def of(token_bytes: Sequence[bytes], vocab_size: int) -> "ClosingOrder":
+    def of(token_bytes: Sequence[bytes], vocab_size: int,
+           tokenize: Callable[[bytes], list[TokenId]] | None = None) -> "ClosingOrder":
         """The tables over ids [0, len(token_bytes)); a special token's bytes are
         llguidance's 0xFF marker and its name (`special`): read as no text."""
         text = [b"" if special(b) else b for b in token_bytes]
         ids = [i for i, b in enumerate(token_bytes)
                if special(b) or (b and (len(b) == 1 or all(c in STRUCTURE for c in b)))]
         ids.sort(key=lambda i: (_static_key(token_bytes[i]), i))
-        return ClosingOrder(tuple(text), np.array(ids, dtype=np.int64), vocab_size)
+        return ClosingOrder(tuple(text), np.array(ids, dtype=np.int64), vocab_size,
+                            specials=frozenset(i for i, b in enumerate(token_bytes)
+                                               if special(b)), tokenize=tokenize)
 
     def deltas(self, at: Nesting) -> np.ndarray:
         """Each candidate's level change read from `at` (cached by `at`'s string state)."""
@@ -155,13 +220,70 @@ class ClosingOrder:
 def order_of(tokenizer, vocab_size: int) -> ClosingOrder:
     """The walk tables of an `LLTokenizer` (its special tokens' bytes start 0xFF)."""
     n = min(tokenizer.vocab_size, vocab_size)
-    return ClosingOrder.of([tokenizer.decode_bytes([i]) for i in range(n)], vocab_size)
+    return ClosingOrder.of([tokenizer.decode_bytes([i]) for i in range(n)], vocab_size,
+                           lambda b: [int(t) for t in tokenizer.tokenize_bytes(b)])
+
+
+class Overspent(Exception):
+    """The closing's grammar work went past its `Spend` (the reason is the message)."""
+
+
+@dataclass
+class Spend:
+    """What the closing's grammar work may cost (the request's grammar budget,
+    `config.MaskBudget`): each mask fill at most `fill_s`, all of it done by `deadline`
+    (`time.perf_counter`); `slowest` and `fills` record what it cost."""
+
+    deadline: float | None = None
+    fill_s: float | None = None
+    slowest: float = 0.0
+    fills: int = 0
+
+    def check(self) -> None:
+        """Raise `Overspent` once past the deadline."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise Overspent("its grammar budget ran out while the token budget's closing "
+                            "was sought")
+
+    def filled(self, seconds: float) -> None:
+        self.fills += 1
+        self.slowest = max(self.slowest, seconds)
+        if self.fill_s is not None and seconds > self.fill_s:
+            raise Overspent(f"one mask took {seconds:.2f}s (at most {self.fill_s:g}s) "
+                            "while the token budget's closing was sought")
+        self.check()
+
+
+_SPENDING = threading.local()
+
+
+@contextlib.contextmanager
+def spending(spend: Spend) -> Iterator[Spend]:
+    """Bound the closing work this thread does inside the block by `spend`."""
+    before = getattr(_SPENDING, "spend", None)
+    _SPENDING.spend = spend
+    try:
+        yield spend
+    finally:
+        _SPENDING.spend = before
+
+
+def _step() -> None:
+    """A walk's or a search's step: past the deadline, stop (`Spend.check`)."""
+    spend = getattr(_SPENDING, "spend", None)
+    if spend is not None:
+        spend.check()
 
 
 def _allowed(matcher, vocab_size: int) -> np.ndarray | None:
-    """The mask at the matcher's state as bools (vocab_size,), None on an error."""
+    """The mask at the matcher's state as bools (vocab_size,), None on an error; its time
+    counts in the thread's `Spend`."""
     row = llnp.allocate_token_bitmask(1, vocab_size)
+    t0 = time.perf_counter()
     llnp.fill_next_token_bitmask(matcher, row, 0)
+    spend = getattr(_SPENDING, "spend", None)
+    if spend is not None:
+        spend.filled(time.perf_counter() - t0)
     if matcher.is_error():
         return None
     bits = np.unpackbits(row[0].view(np.uint8), bitorder="little")[:vocab_size]
@@ -215,53 +337,279 @@ def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
     return None
 
 
+def _signature(mask: np.ndarray, at: Place) -> tuple:
+    """What the walk and the search tell grammar states apart by: the mask there and the
+    level reader's place (`Place`)."""
+    return (np.packbits(mask).tobytes(), at)
+
+
 def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
-            hints: Sequence[Sequence[TokenId]] = ()) -> list[TokenId] | None:
-    """The closing walk from `matcher`'s state (on a copy) and `at`, or None when it does
-    not reach a state where the grammar may end within `limit` tokens. `hints`: token
-    sequences that end free text in this grammar (a tool format's raw value end)."""
+            hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None
+            ) -> list[TokenId] | None:
+    """The closing from `matcher`'s state (on a copy) and `at`: the greedy walk, or where it
+    stalls, the walk up to the loop it stalled in and the search from there; None when no
+    closing of at most `limit` tokens is found (see the module docstring), and then why is
+    appended to `why`. `hints`: token sequences that end free text in this grammar (a tool
+    format's raw value end)."""
+    def fail(reason: str) -> None:
+        if why is not None:
+            why.append(reason)
+
     keep = max((len(h) for h in hints), default=0)
     m = matcher.deep_copy()
     reasons = hasattr(m, "close_now")
     if reasons:
         m.close_now()
     out: list[TokenId] = []
+    # since the walk last left a search: the state there, the place before each step, and
+    # each mask signature met (the step it was first met at, the times met)
+    base, places = m.deep_copy(), [at]
+    seen: dict[tuple, list[int]] = {}
+    last: tuple | None = None
+    stalls = True  # whether a stall searches (not after a search that found nothing)
     while not m.is_accepting():
+        _step()
+        stalled = False
         if len(out) >= limit or m.is_error():
-            return None
-        due = m.forcing() if reasons else None
-        forced = [due] if due is not None else m.compute_ff_tokens()
-        if forced:
-            t = int(forced[0])
+            stalled = True
         else:
-            ok = _allowed(m, order.vocab_size)
-            if ok is None or not ok.any():
-                return None
-            few = np.flatnonzero(ok) if ok.sum() <= FEW else ()
-            ends = [int(i) for i in few if _ends_after(m, int(i))]
-            fits = ok[order.candidates]
-            hinted = None if ends or not hints else _hinted(m, order, hints, at.tail)
-            if ends:
-                t = ends[0]
-            elif hinted is not None:
-                t = hinted
-            elif fits.any():
-                d = np.where(fits, order.deltas(at.nesting), np.iinfo(np.int64).max)
-                t = int(order.candidates[int(np.argmin(d))])
+            due = m.forcing() if reasons else None
+            forced = [due] if due is not None else m.compute_ff_tokens()
+            if forced:
+                t = int(forced[0])
             else:
-                t = int(np.flatnonzero(ok)[0])
+                ok = _allowed(m, order.vocab_size)
+                if ok is None or not ok.any():
+                    return fail("the closing walk reached a state where the grammar allows "
+                                "no token")
+                last = _signature(ok, at)
+                met = seen.setdefault(last, [len(out), 0])
+                met[1] += 1
+                stalled = stalls and met[1] >= REPEAT
+                if not stalled:
+                    t = _greedy_step(m, ok, order, hints, at)
+        if stalled:
+            if not stalls or last is None or seen[last][1] < 2:  # no loop, or no way on
+                return fail(f"no closing within {limit} tokens" if len(out) >= limit else
+                            "the closing walk ran into a grammar error")
+            # search from where the walk first met the state it kept coming back to, until
+            # it may end or leaves that state's level; then walk on from there
+            i = seen[last][0]
+            start = len(out) - len(places) + 1
+            m = base
+            for t in out[start:i]:
+                m.consume_token(t)
+            at = places[i - start]
+            tried: list[str] = []
+            part = search(m, order, limit - i, at, hints, below=at.nesting.level, why=tried)
+            if part is None:  # the walk goes on from where it stalled, as if it had not
+                if why is not None:
+                    why += tried
+                m = base
+                for t in out[start:]:
+                    m.consume_token(t)
+                at, stalls = places[-1], False
+                if len(out) >= limit or m.is_error():
+                    return fail(f"no closing within {limit} tokens")
+                continue
+            for t in part:
+                m.consume_token(t)
+                at = at.after(order, t, keep, ended_reasoning(m))
+            out = out[:i] + part
+            base, places, seen, last = m.deep_copy(), [at], {}, None
+            continue
         if not m.consume_token(t):
-            return None
+            continue  # the grammar erred: a stall, above
         at = at.after(order, t, keep, ended_reasoning(m))
         out.append(t)
-    return out
+        places.append(at)
+    return _anew(matcher, order, out)
+
+
+def _anew(matcher, order: ClosingOrder, path: list[TokenId]) -> list[TokenId]:
+    """`path` written anew where that is shorter: each run of its tokens between special
+    tokens replaced by the tokenizer's own tokens for its bytes, where the grammar takes
+    the result from `matcher`'s state and may end after it (see the module docstring)."""
+    if order.tokenize is None or len(path) < 2:
+        return path
+    out: list[TokenId] = []
+    run: list[TokenId] = []
+    for t in [*path, None]:
+        if t is not None and t not in order.specials:
+            run.append(t)
+            continue
+        if run:
+            out += order.tokenize(b"".join(order.bytes_of(u) for u in run)) if len(run) > 1 \
+                else run
+            run = []
+        if t is not None:
+            out.append(t)
+    if len(out) >= len(path):
+        return path
+    m = matcher.deep_copy()
+    for t in out:
+        if not m.consume_token(t) or m.is_error():
+            return path
+    return out if m.is_accepting() else path
+
+
+def _greedy_step(m, ok: np.ndarray, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
+                 at: Place) -> TokenId:
+    """The walk's step where the grammar forces nothing (steps 2 to 4 of the walk)."""
+    few = np.flatnonzero(ok) if ok.sum() <= FEW else ()
+    ends = [int(i) for i in few if _ends_after(m, int(i))]
+    if ends:
+        return ends[0]
+    hinted = _hinted(m, order, hints, at.tail) if hints else None
+    if hinted is not None:
+        return hinted
+    fits = ok[order.candidates]
+    if fits.any():
+        d = np.where(fits, order.deltas(at.nesting), np.iinfo(np.int64).max)
+        return int(order.candidates[int(np.argmin(d))])
+    return int(np.flatnonzero(ok)[0])
+
+
+def _alphabet(order: ClosingOrder) -> np.ndarray:
+    """The search's tokens in the candidates' tie order: the special tokens, the structure
+    tokens and the one-byte tokens of printable ASCII."""
+    got = order._deltas.get("alphabet")
+    if got is None:
+        got = np.array([i for i in order.candidates
+                        if len(order.token_bytes[i]) != 1 or 0x20 <= order.token_bytes[i][0] < 0x7F],
+                       dtype=np.int64)
+        order._deltas["alphabet"] = got
+    return got
+
+
+@dataclass
+class _Node:
+    matcher: Any
+    at: Place
+    path: list[TokenId]
+    mask: np.ndarray | None  # None: not filled (the grammar may end here, or it forces)
+    sig: tuple | None
+
+
+def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
+           hints: Sequence[Sequence[TokenId]] = (), below: int | None = None,
+           probes: int | None = None, why: list[str] | None = None) -> list[TokenId] | None:
+    """The breadth-first search from `matcher`'s state (on copies) and `at`: the first of
+    the shortest token paths over its tokens, of at most `limit`, to a state where the
+    grammar may end or (`below`) whose level is below `below`; None: none that short, or
+    more than `probes` (default `PROBES`) states made, and then why is appended to `why`.
+    See the module docstring."""
+    probes = PROBES if probes is None else probes
+    keep = max((len(h) for h in hints), default=0)
+    reasons = hasattr(matcher, "close_now")
+    frontier = [_Node(matcher.deep_copy(), at, [], None, None)]
+    reps: dict[tuple, list[TokenId]] = {}  # signature -> the tokens its first expansion kept
+    made = 0
+    alphabet = _alphabet(order)
+    for depth in range(limit + 1):
+        for node in frontier:
+            if node.matcher.is_accepting() or (below is not None
+                                               and node.at.nesting.level < below):
+                return node.path
+        if depth == limit or not frontier:
+            if why is not None:
+                why.append(f"the closing search found no way on within {limit} tokens"
+                           if frontier else "the closing search ran out of states")
+            return None
+        nxt: list[_Node] = []
+        kept: set[tuple] = set()
+        for node in frontier:
+            m = node.matcher
+            due = m.forcing() if reasons else None
+            forced = [due] if due is not None else m.compute_ff_tokens()
+            mine: dict[tuple, TokenId] | None = None
+            if forced:
+                tokens = [int(forced[0])]
+            elif node.sig in reps:
+                tokens = reps[node.sig]
+            else:
+                ok = node.mask if node.mask is not None else _allowed(m, order.vocab_size)
+                if ok is None:
+                    continue
+                tokens = [int(i) for i in alphabet if ok[i]]
+                if ok.sum() <= FEW:
+                    listed = set(tokens)
+                    tokens += [int(i) for i in np.flatnonzero(ok) if int(i) not in listed]
+                for h in hints:
+                    for k in range(len(h) - 1, -1, -1):
+                        if k and tuple(node.at.tail[-k:]) != tuple(h[:k]):
+                            continue
+                        t = int(h[k])
+                        if ok[t] and t not in tokens:
+                            tokens.append(t)
+                        break
+                mine = {}
+            for t in tokens:
+                _step()
+                made += 1
+                if made > probes:
+                    if why is not None:
+                        why.append(f"the closing search gave up after {probes} states")
+                    return None
+                c = m.deep_copy()
+                if not c.consume_token(t) or c.is_error():
+                    continue
+                c_at = node.at.after(order, t, keep, ended_reasoning(c))
+                c_ok = _allowed(c, order.vocab_size)
+                if c_ok is None:
+                    continue
+                sig = _signature(c_ok, c_at)
+                if mine is not None:
+                    mine.setdefault(sig, t)
+                if sig in kept:
+                    continue
+                kept.add(sig)
+                nxt.append(_Node(c, c_at, node.path + [t], c_ok, sig))
+            if mine is not None and node.sig is not None:
+                reps[node.sig] = list(mine.values())
+        frontier = nxt
+    return None
 
 
 def need(matcher, order: ClosingOrder, limit: int = NEED_LIMIT, at: Place = Place(),
-         hints: Sequence[Sequence[TokenId]] = ()) -> int | None:
-    """The walk's length from `matcher`'s state (None: longer than `limit`)."""
-    walk = closing(matcher, order, limit, at, hints)
+         hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None) -> int | None:
+    """The closing's length from `matcher`'s state (None: none found within `limit`, why
+    appended to `why`)."""
+    walk = closing(matcher, order, limit, at, hints, why)
     return None if walk is None else len(walk)
+
+
+def replays(matcher, token: TokenId, path: Sequence[TokenId], left: int) -> bool:
+    """Whether `path` (at most `left` tokens) takes the grammar from the state after `token`
+    to where it may end (`matcher` untouched)."""
+    if len(path) > left:
+        return False
+    m = matcher.deep_copy()
+    for t in (token, *path):
+        if not m.consume_token(int(t)) or m.is_error():
+            return False
+    return bool(m.is_accepting())
+
+
+def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
+                  eos: frozenset[int], at: Place, hints: Sequence[Sequence[TokenId]] = (),
+                  known: Sequence[TokenId] | None = None) -> list[TokenId] | None:
+    """A closing of at most `left` tokens from the state after `token`: from `known` (a
+    closing from the matcher's state: the rule's last proved one), its rest where `token`
+    is its first, or itself where it replays from there; else the walk's (`closing`);
+    None: none of these. An end token: `[]` where the grammar may end here."""
+    if token in eos:
+        return [] if matcher.is_accepting() else None
+    if known:
+        if token == known[0] and len(known) - 1 <= left:
+            return list(known[1:])
+        if replays(matcher, token, known, left):
+            return list(known)
+    m = matcher.deep_copy()
+    if not m.consume_token(token) or m.is_error():
+        return None
+    keep = max((len(h) for h in hints), default=0)
+    return closing(m, order, left, at.after(order, token, keep, ended_reasoning(m)), hints)
 
 
 def closes_after(matcher, token: TokenId, order: ClosingOrder, left: int,
@@ -269,14 +617,7 @@ def closes_after(matcher, token: TokenId, order: ClosingOrder, left: int,
                  ) -> bool:
     """Whether the walk from the state after `token` closes within `left` tokens (an end
     token: whether the grammar may end here)."""
-    if token in eos:
-        return bool(matcher.is_accepting())
-    m = matcher.deep_copy()
-    if not m.consume_token(token) or m.is_error():
-        return False
-    keep = max((len(h) for h in hints), default=0)
-    return closing(m, order, left, at.after(order, token, keep, ended_reasoning(m)),
-                   hints) is not None
+    return closing_after(matcher, token, order, left, eos, at, hints) is not None
 
 
 @dataclass(frozen=True)
@@ -292,7 +633,9 @@ class Closing:
 @dataclass
 class BudgetRule:
     """One request's rule (see the module docstring): its closing order, its budget and
-    minimum; `steered` counts the positions it changed."""
+    minimum; `steered` counts the positions it changed; `known` is the closing the rule
+    proved for the token it took last (from the state after it), None before its first
+    check."""
 
     order: ClosingOrder
     max_tokens: int
@@ -301,6 +644,7 @@ class BudgetRule:
     hints: tuple[tuple[TokenId, ...], ...] = ()
     steered: int = 0
     place: Place = Place()  # after the output so far
+    known: list[TokenId] | None = None
 
     @property
     def keep(self) -> int:
@@ -329,22 +673,32 @@ class BudgetRule:
         """The token output position `emitted` takes, the decision rule having picked
         `pick` at the matcher's current state (the level reader's `at`: by default, after
         the output so far); `ranked()`: the row's best-scoring tokens (score descending,
-        then id; finite scores), asked for only when `pick` fails."""
+        then id; finite scores), asked for only when `pick` fails. Positions are decided
+        in order, each once (the remembered closing, `known`, moves with them)."""
         at = self.place if at is None else at
         left = self.max_tokens - emitted
-        if not self.active(emitted) or closes_after(matcher, pick, self.order, left - 1,
-                                                    self.eos, at, self.hints):
+        if not self.active(emitted):
             return pick
-        walk = closing(matcher, self.order, left, at, self.hints)
-        if walk is None:
+        proof = closing_after(matcher, pick, self.order, left - 1, self.eos, at, self.hints,
+                              self.known)
+        if proof is not None:
+            self.known = proof
+            return pick
+        here = self.known if self.known is not None and len(self.known) <= left else \
+            closing(matcher, self.order, left, at, self.hints)
+        if here is None:
             return pick  # no closing within the budget: as it is
-        # the walk's first token; where the grammar may end here, the first end token
-        chosen = walk[0] if walk else min(self.eos)
+        # the closing's first token; where the grammar may end here, the first end token
+        chosen, proof = (here[0], here[1:]) if here else (min(self.eos), [])
         for t in list(ranked())[:CANDIDATES]:
-            if t != pick and closes_after(matcher, t, self.order, left - 1, self.eos, at,
-                                          self.hints):
-                chosen = int(t)
+            if t == pick:
+                continue
+            got = closing_after(matcher, t, self.order, left - 1, self.eos, at, self.hints,
+                                self.known)
+            if got is not None:
+                chosen, proof = int(t), got
                 break
+        self.known = proof
         self.steered += chosen != pick
         return chosen
 

@@ -41,7 +41,7 @@ from collections.abc import Generator, Sequence
 
 import llguidance.numpy as llnp
 
-from .budget import BudgetRule, ranked_ids
+from .budget import BudgetRule, Overspent, Spend, ranked_ids, spending
 from .decode import PREFILL_CHUNK, PromptKVCache, check_matcher, grammar_failure
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex, SuffixStore
@@ -523,7 +523,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
         if s.error is None:
             try:
                 _accept(s, proposed[i], Verdict(picks[i].tolist(), widths[i], oks[i],
-                                                lps.get(i), rows_of.get(i)))
+                                                lps.get(i), rows_of.get(i)), models.masks)
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -705,11 +705,13 @@ class Verdict:
     scores: RowScores | None = None
 
 
-def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
+def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBudget()
+            ) -> None:
     """Emit the agreeing prefix of the proposals `p` (of a tree: the accepted branch,
     `tree_path`) and the bonus pick; count the accepted by source; trim the caches (the
     target's was advanced by `v.width` proposals; a tree's accepted branch is first moved
-    together, `ragged.keep_rows`)."""
+    together, `ragged.keep_rows`). The budget rule's grammar work counts in the request's
+    grammar budget `masks` (past it, the request stops with `GrammarTooComplex`)."""
     props, picks = p.tokens, v.picks
     if p.parents is None:
         path = []
@@ -725,8 +727,18 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict) -> None:
     steered: dict[int, float] = {}  # emitted index -> its logprob, where the budget steered
     if v.scores is not None:
         t0 = time.perf_counter()
-        at = _steer(s, out, rows, v.scores)
-        s.stats.budget_s += time.perf_counter() - t0
+        spend = Spend(t0 + max(0.0, masks.total_s - s.stats.mask_s), masks.mask_s)
+        try:
+            with spending(spend):
+                at = _steer(s, out, rows, v.scores)
+        except Overspent as e:
+            s.error = GrammarTooComplex(str(e), position=s.emitted)
+            return
+        finally:
+            took = time.perf_counter() - t0
+            s.stats.budget_s += took
+            s.stats.mask_s += took  # the rule's fills are the request's grammar work
+            s.stats.mask_max_s = max(s.stats.mask_max_s, spend.slowest)
         if at is not None:
             k, t = at
             s.stats.budget_steered = s.budget.steered if s.budget is not None else 0

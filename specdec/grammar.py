@@ -15,6 +15,7 @@ import ctypes.util
 import json
 import re
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from tokenizers import Tokenizer
 
-from .budget import ClosingOrder, need, order_of
+from .budget import MINIMUM_S, ClosingOrder, Overspent, Spend, need, order_of, spending
 from .config import GRAMMAR_CACHE_MB
 from .errors import GrammarError, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
@@ -151,7 +152,7 @@ class CompiledGrammar:
     nbytes: int = 0
     # the closing walk's length by hints (`GrammarCompiler.minimum`): kept with the grammar,
     # so it goes when the grammar leaves the cache
-    _needs: dict[tuple, int | None] = field(default_factory=dict, repr=False, compare=False)
+    _needs: dict[tuple, tuple[int | None, str]] = field(default_factory=dict, repr=False, compare=False)
 
     def matcher(self) -> LLMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -369,21 +370,27 @@ class GrammarCompiler:
         return hit
 
     def minimum(self, grammar: "CompiledGrammar", matcher: Any, vocab_size: int,
-                hints: tuple[tuple[int, ...], ...] = ()) -> int | None:
-        """The closing walk's length from a fresh `matcher` of `grammar` (`budget.need`; None:
-        longer than its bound), cached by grammar text where `matcher` is the grammar's own
-        (not a thinking matcher, whose budget differs per request)."""
+                hints: tuple[tuple[int, ...], ...] = ()) -> tuple[int | None, str]:
+        """The closing's length from a fresh `matcher` of `grammar` (`budget.need`; None:
+        none found within its bound, and why), cached with the grammar where `matcher` is
+        the grammar's own (not a thinking matcher, whose budget differs per request)."""
         plain = type(matcher) is type(grammar._template)
         key = (vocab_size, hints)
         if plain:
             with self._lock:
                 if key in grammar._needs:
                     return grammar._needs[key]
-        n = need(matcher, self.closing_order(vocab_size), hints=hints)
+        why: list[str] = []
+        try:
+            with spending(Spend(deadline=time.perf_counter() + MINIMUM_S)):
+                n = need(matcher, self.closing_order(vocab_size), hints=hints, why=why)
+        except Overspent:
+            n, why = None, [f"finding the closing took over {MINIMUM_S:g}s"]
+        got = (n, "; ".join(why))
         if plain:
             with self._lock:
-                grammar._needs[key] = n
-        return n
+                grammar._needs[key] = got
+        return got
 
     @staticmethod
     def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int],

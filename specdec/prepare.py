@@ -401,13 +401,13 @@ class Preparer:
 
     def _closing(self, req: Request, hints: tuple[tuple[TokenId, ...], ...] = ()) -> Request:
         """`req` with its budget rule (`budget`): its constraint's minimum budget, a 400
-        naming max_tokens when the budget is below it. A constraint whose closing walk is
-        longer than its bound is not steered."""
+        naming max_tokens when the budget is below it. A constraint whose closing is not
+        found within its bound is not steered, and the request says why (`unguaranteed`)."""
         assert req.grammar is not None
-        minimum = self.compiler.minimum(req.grammar, self.matcher(req), self.target.vocab_size,
-                                        hints)
+        minimum, why = self.compiler.minimum(req.grammar, self.matcher(req),
+                                             self.target.vocab_size, hints)
         if minimum is None:
-            return req
+            return dataclasses.replace(req, unguaranteed=why)
         if req.max_tokens < minimum:
             raise RequestError(f"the token budget ({req.max_tokens}) is below what the "
                                f"constraint needs: its shortest complete answer takes "

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what `Engine.prepare` fills a prepared `Request` with (anno
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 SEED_LIMIT = (1 << 64) - 1
 DEFAULT_MAX_TOKENS = 256
+UNGUARANTEED = "budget_unguaranteed"  # the warning of a request served without the budget rule
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,9 @@ class Request:
         calls: how the output's calls are read back (None: the output is text).
         closing: the budget rule's closing order and the constraint's minimum budget
             (`budget.Closing`); None: the output is not steered to close in time.
+        unguaranteed: why a constrained output is served without the budget rule (no
+            closing was found within its bound), or None; reported as a warning
+            (`budget_unguaranteed`).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -254,10 +258,14 @@ class Request:
     tools: tuple[Tool, ...] = ()
     calls: CallParser | None = field(default=None, repr=False, compare=False)
     closing: Closing | None = field(default=None, repr=False, compare=False)
+    unguaranteed: str | None = None
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        return self.grammar.warnings if self.grammar is not None else ()
+        """What the constraint does not enforce: the grammar's warnings, and
+        `budget_unguaranteed: <why>` where the budget rule is off."""
+        own = self.grammar.warnings if self.grammar is not None else ()
+        return own + ((f"{UNGUARANTEED}: {self.unguaranteed}",) if self.unguaranteed else ())
 
     @property
     def kv_positions(self) -> int:
