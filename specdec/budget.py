@@ -13,7 +13,7 @@ level 0, outside a string) after the token that completes the reasoning's end ma
 answer's nesting is read from its own bytes.
 
 **The closing walk** from a grammar state (and the level there) is the token path the walk
-takes until the grammar may end (`is_accepting`), one token a step, at most `limit` tokens
+takes until the grammar may end (`is_accepting`), one token a step, at most `NEED_LIMIT` tokens
 (else it has no closing within that bound):
   0. inside the reasoning (opened, its end marker not complete), the end marker's next
      token, as a spent thinking budget forces it: once one is forced, the next (none
@@ -39,14 +39,14 @@ equal changes, by id), the tokens made only of the bytes `"{}[],: ` and the one-
 **Stalls and the search.** At each step of 2-4 the walk notes the state's *signature*: its
 mask and its place (the level reader's state and, with hints, the output's last tokens).
 The walk *stalls* when it meets one signature for the `REPEAT`-th (16th) time, or when it
-reaches `limit` (or the grammar errs) having met its last signature more than once: it
+reaches that bound (or the grammar errs) having met its last signature more than once: it
 keeps coming back to a state its steps do not leave (an email's local part: the `@` is
 never the candidate that closes most). Then, from the step where it first met that
 signature (the state and place there), a *search* finds the shortest way on, and the walk
 goes on after it (noting signatures afresh). Where the search finds nothing, the walk goes
 on from where it stalled as if it had not, stalling no more (a long count, such as
 `minItems: 500`, is walked to its end). A stall where the last signature was met once
-only (or none: the walk only forced), or at `limit` after a search found nothing, is no
+only (or none: the walk only forced), or at the bound after a search found nothing, is no
 closing.
 
 The search from a state is breadth-first over token paths, depth by depth (at most the
@@ -67,6 +67,10 @@ Last, the closing is *written anew* where that is shorter: each run of its token
 special tokens is replaced by the tokenizer's own tokens for the run's bytes
 (`tokenize_bytes`); where the result has fewer tokens, the grammar takes it from the
 state and may end after it, it is the closing.
+
+The walk and its searches go on for at most `NEED_LIMIT` (4096) tokens, whatever the
+bound asked for; a closing *within* `n` tokens is the closing found, where it has at most
+`n` tokens (written anew).
 
 `need(state)`: the closing's length; the request's *minimum* is the need at its start.
 
@@ -347,14 +351,28 @@ def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
             hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None
             ) -> list[TokenId] | None:
     """The closing from `matcher`'s state (on a copy) and `at`: the greedy walk, or where it
-    stalls, the walk up to the loop it stalled in and the search from there; None when no
-    closing of at most `limit` tokens is found (see the module docstring), and then why is
-    appended to `why`. `hints`: token sequences that end free text in this grammar (a tool
-    format's raw value end)."""
+    stalls, the walk up to the loop it stalled in and the search from there (within
+    `NEED_LIMIT` tokens), written anew; None when it is not found or has more than `limit`
+    tokens (see the module docstring), and then why is appended to `why`. `hints`: token
+    sequences that end free text in this grammar (a tool format's raw value end)."""
     def fail(reason: str) -> None:
         if why is not None:
             why.append(reason)
 
+    found = _closing(matcher, order, at, hints, why)
+    if found is not None and len(found) > limit:
+        return fail(f"no closing within {limit} tokens (its closing takes {len(found)})")
+    return found
+
+
+def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[TokenId]],
+             why: list[str] | None) -> list[TokenId] | None:
+    """The closing within `NEED_LIMIT` tokens (`closing`), written anew."""
+    def fail(reason: str) -> None:
+        if why is not None:
+            why.append(reason)
+
+    limit = NEED_LIMIT
     keep = max((len(h) for h in hints), default=0)
     m = matcher.deep_copy()
     reasons = hasattr(m, "close_now")

@@ -294,3 +294,55 @@ def test_every_kind_at_and_above_its_minimum_parses_below_it_is_a_400(engine, ap
         _valid(schema, _text(path, body, r))
     assert below.status_code == 400, below.text
     assert str(minimum) in below.text
+
+
+# -- the rule's grammar work is the request's grammar work -------------------------------------
+
+class _SlowFills:
+    """`llguidance.numpy` as the budget rule sees it, every fill `delay` seconds slower (an
+    injected sleep), counting them."""
+
+    def __init__(self, delay: float) -> None:
+        import llguidance.numpy as llnp
+
+        self.real, self.delay, self.fills = llnp, delay, 0
+
+    def allocate_token_bitmask(self, *a):
+        return self.real.allocate_token_bitmask(*a)
+
+    def fill_next_token_bitmask(self, *a):
+        import time
+
+        self.fills += 1
+        time.sleep(self.delay)
+        return self.real.fill_next_token_bitmask(*a)
+
+
+def test_the_rules_grammar_work_stops_at_the_requests_grammar_budget(embedded, monkeypatch):
+    # Every fill of the rule's closing walks takes 0.25 s (injected) and the request's grammar
+    # budget is 1 s in all: the request stops with grammar_too_complex once its closing work
+    # has spent that budget, after a bounded number of fills, rather than walking on.
+    from specdec.config import MaskBudget
+    from specdec.engine import Engine
+    from specdec.errors import GrammarTooComplex
+
+    e = Engine(embedded, masks=MaskBudget(slow_s=0.05, mask_s=0.5, total_s=1.0))
+    try:
+        schema = KINDS["contact"]
+        minimum = _minimum(e, schema)  # (found before the fills slow down)
+        req = e.prepare(GenerateRequest(messages=(Message("user", USER),),
+                                        constraint=Constraint.json_schema(schema),
+                                        max_tokens=minimum + 1))
+        slow = _SlowFills(0.25)
+        monkeypatch.setattr(budget, "llnp", slow)
+        with pytest.raises(GrammarTooComplex) as err:
+            e.generate(req)
+        assert "closing was sought" in str(err.value)
+        assert 1 <= slow.fills <= 1.0 / 0.25 + 2, slow.fills
+        # One fill over the per-fill limit stops it at that fill.
+        slow.delay, slow.fills = 0.6, 0
+        with pytest.raises(GrammarTooComplex) as err:
+            e.generate(req)
+        assert "one mask took" in str(err.value) and slow.fills == 1
+    finally:
+        e.close()
