@@ -493,9 +493,9 @@ def _alphabet(order: ClosingOrder) -> np.ndarray:
     tokens and the one-byte tokens of printable ASCII."""
     got = order._deltas.get("alphabet")
     if got is None:
+        one = order.token_bytes
         got = np.array([i for i in order.candidates
-                        if len(order.token_bytes[i]) != 1 or 0x20 <= order.token_bytes[i][0] < 0x7F],
-                       dtype=np.int64)
+                        if len(one[i]) != 1 or 0x20 <= one[i][0] < 0x7F], dtype=np.int64)
         order._deltas["alphabet"] = got
     return got
 
