@@ -133,7 +133,7 @@ NEED_LIMIT = 4096
 FEW = 16  # where the mask allows at most this many tokens, one that ends the grammar first
 REPEAT = 16  # the walk stalls where it meets one state this many times
 PROBES = 4096  # the most states one search makes
-MINIMUM_S = 2.0  # the longest the minimum's closing may take to find at preparation
+MINIMUM_S = 5.0  # the longest the minimum's closing may take to find at preparation
 _RANK = {c: n for n, c in enumerate(BYTE_ORDER)}
 
 
