@@ -81,7 +81,11 @@ the state after it); none at its first check. A token's *proof* within `n` token
 end token, `[]` where the grammar may end here (else none); else, from `known`, its rest
 where the token is its first and the rest has at most `n` tokens; else `known` itself
 where it has at most `n` tokens and the grammar takes the token, then `known`, and may
-end; else the closing from the state after the token, within `n`. Then:
+end; else, where the token's bytes begin (and are shorter than) the bytes of `known`'s
+tokens before its first special token, the tokenizer's own tokens for the rest of those
+bytes followed by `known`'s tokens from that special token on, where it has at most `n`
+tokens and the grammar takes the token, then it, and may end; else the closing from the
+state after the token, within `n`. Then:
   - while `left - 1 >= window` (`window` = the minimum + `SLACK`), nothing is checked;
   - else `t` stands when it has a proof within `left - 1`;
   - else, when there is a closing from the current state within `left` (`known` where it
@@ -609,13 +613,29 @@ def replays(matcher, token: TokenId, path: Sequence[TokenId], left: int) -> bool
     return bool(m.is_accepting())
 
 
+def _rest(order: ClosingOrder, token: TokenId, known: Sequence[TokenId]
+          ) -> list[TokenId] | None:
+    """Where `token`'s bytes begin those of `known`'s first run of text tokens (up to its
+    first special token), the tokenizer's tokens for the rest of that run, then the rest
+    of `known`; else None."""
+    if order.tokenize is None or token in order.specials:
+        return None
+    n = next((k for k, t in enumerate(known) if t in order.specials), len(known))
+    run = b"".join(order.bytes_of(t) for t in known[:n])
+    head = order.bytes_of(token)
+    if not head or len(head) >= len(run) or not run.startswith(head):
+        return None
+    return order.tokenize(run[len(head):]) + list(known[n:])
+
+
 def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
                   eos: frozenset[int], at: Place, hints: Sequence[Sequence[TokenId]] = (),
                   known: Sequence[TokenId] | None = None) -> list[TokenId] | None:
     """A closing of at most `left` tokens from the state after `token`: from `known` (a
     closing from the matcher's state: the rule's last proved one), its rest where `token`
-    is its first, or itself where it replays from there; else the walk's (`closing`);
-    None: none of these. An end token: `[]` where the grammar may end here."""
+    is its first, or itself where it replays from there, or its bytes after `token`'s
+    (`_rest`) where they replay; else the closing (`closing`); None: none of these. An end
+    token: `[]` where the grammar may end here."""
     if token in eos:
         return [] if matcher.is_accepting() else None
     if known:
@@ -623,6 +643,9 @@ def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
             return list(known[1:])
         if replays(matcher, token, known, left):
             return list(known)
+        rest = _rest(order, token, known)
+        if rest is not None and replays(matcher, token, rest, left):
+            return rest
     m = matcher.deep_copy()
     if not m.consume_token(token) or m.is_error():
         return None
