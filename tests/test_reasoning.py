@@ -41,6 +41,11 @@ SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
     "age": {"type": "integer", "minimum": 0, "maximum": 120}},
     "required": ["name", "age"], "additionalProperties": False}
+# The answer after the reasoning needs the budget's closing search (an email's `@`).
+EMAIL_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "email": {"type": "string", "format": "email"}},
+    "required": ["name", "email"], "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "Extract the fields as JSON: Ada, 36."}]
 MAX_TOKENS = 60
 # template family -> (template file, whether the vocabulary has the think tokens)
@@ -198,8 +203,9 @@ def test_speculative_equals_plain_equals_oracle_across_the_end_of_thinking(model
     assert thought_first or len(close_ids) > 1, "no natural end came after some thinking"
 
 
+@pytest.mark.parametrize("schema", ["plain", "email"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family):
+def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family, schema):
     """No thinking budget, a model kept from ending its thought (a bias against the end
     marker; for it to open the block where it may skip it, one towards the open marker), and
     a token budget from the constraint's minimum up: the budget rule ends the reasoning in
@@ -208,7 +214,8 @@ def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family):
     assert blas.active() == "reference"
     target, engines = models[family]
     e = engines["none"]
-    constraint = Constraint.json_schema(SCHEMA)
+    schema = {"plain": SCHEMA, "email": EMAIL_SCHEMA}[schema]
+    constraint = Constraint.json_schema(schema)
     ids, thinking = e.chat_prompt_thinking(MESSAGES, budget=None)
     close_ids = marker_ids(e.compiler.markup, thinking.close)[0]
     bias = [(close_ids[0], -30.0)]
@@ -235,7 +242,8 @@ def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family):
             assert answer is not None, (family, budget, want.text)
             # with room beyond the think markup, the reasoning runs until it must end
             assert reasoning or extra < 9, (family, budget, want.text)
-            jsonschema.validate(json.loads(answer), SCHEMA)
+            jsonschema.validate(json.loads(answer), schema,
+                                format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
             assert want.finish_reason == "length" and want.stats.budget_steered > 0
             assert len(want.tokens) <= budget
             ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
