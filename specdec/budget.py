@@ -37,7 +37,8 @@ The candidates are the special tokens (markup: no text, no level change; first a
 equal changes, by id), the tokens made only of the bytes `"{}[],: ` and the one-byte tokens.
 
 **Stalls and the search.** At each step of 2-4 the walk notes the state's *signature*: its
-mask and its place (the level reader's state and, with hints, the output's last tokens).
+mask, the level reader's state and, for each hint, the length of its longest start the
+output ends with (0: none; a whole hint is no start).
 The walk *stalls* when it meets one signature for the `REPEAT`-th (16th) time, or when it
 reaches that bound (or the grammar errs) having met its last signature more than once: it
 keeps coming back to a state its steps do not leave (an email's local part: the `@` is
@@ -345,10 +346,12 @@ def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
     return None
 
 
-def _signature(mask: np.ndarray, at: Place) -> tuple:
-    """What the walk and the search tell grammar states apart by: the mask there and the
-    level reader's place (`Place`)."""
-    return (np.packbits(mask).tobytes(), at)
+def _signature(mask: np.ndarray, at: Place, hints: Sequence[Sequence[TokenId]]) -> tuple:
+    """What the walk and the search tell grammar states apart by: the mask there, the level
+    reader's state and, for each hint, the longest start of it the output ends with."""
+    begun = tuple(next((k for k in range(len(h) - 1, 0, -1)
+                        if tuple(at.tail[-k:]) == tuple(h[:k])), 0) for h in hints)
+    return (np.packbits(mask).tobytes(), at.nesting, begun)
 
 
 def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
@@ -404,7 +407,7 @@ def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[T
                 if ok is None or not ok.any():
                     return fail("the closing walk reached a state where the grammar allows "
                                 "no token")
-                last = _signature(ok, at)
+                last = _signature(ok, at, hints)
                 met = seen.setdefault(last, [len(out), 0])
                 met[1] += 1
                 stalled = stalls and met[1] >= REPEAT
@@ -580,7 +583,7 @@ def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
                 c_ok = _allowed(c, order.vocab_size)
                 if c_ok is None:
                     continue
-                sig = _signature(c_ok, c_at)
+                sig = _signature(c_ok, c_at, hints)
                 if mine is not None:
                     mine.setdefault(sig, t)
                 if sig in kept:

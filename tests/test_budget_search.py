@@ -17,6 +17,7 @@ separator), the search finds the way on, so every kind of schema closes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -27,7 +28,9 @@ from specdec import budget
 from specdec.budget import closing, need
 from specdec.engine import RequestError
 from specdec.grammar import Constraint
-from specdec.request import GenerateRequest, Message
+from specdec.request import GenerateRequest, Message, Tool
+from specdec.sampling import SamplingParams
+from tests.families import TOOL_FORMATS
 
 FORMATS = ("email", "uri", "hostname", "ipv4", "ipv6", "date", "time", "date-time",
            "duration", "uuid")
@@ -347,3 +350,68 @@ def test_the_rules_grammar_work_stops_at_the_requests_grammar_budget(embedded, m
         assert "one mask took" in str(err.value) and slow.fills == 1
     finally:
         e.close()
+
+
+# -- tool arguments in every tool format -------------------------------------------------------
+
+# (In the formats that write arguments as elements, a string argument is raw text whose
+# `format` and `pattern` the grammar does not hold; objects are JSON, held whole.)
+CONTACT_TOOL = Tool("add_contact", "Save a contact.", {
+    "type": "object", "properties": {
+        "who": {"type": "object", "properties": {"email": EMAIL}, "required": ["email"]},
+        "met": {"type": "object", "properties": {"on": {
+            "type": "string", "pattern": "^[12][0-9]{3}-[01][0-9]-[0-3][0-9]$"}},
+            "required": ["on"]},
+        "note": {"type": "string"}},
+    "required": ["who", "met", "note"]})
+
+
+@pytest.fixture(scope="module")
+def tool_engines(tmp_path_factory):
+    from specdec.engine import Engine
+    from specdec.models import load
+    from tests.families import CHATML, make_family, make_tool_family
+
+    root = tmp_path_factory.mktemp("search-tools")
+    made: dict[str, Engine] = {}
+
+    def get(key: str) -> Engine:
+        if key not in made:
+            d = (make_family("qwen2.5", root / key, template=CHATML) if key == "generic"
+                 else make_tool_family(key, root / key))
+            m = load(str(d))
+            made[key] = Engine(m, m)
+        return made[key]
+    yield get
+    for e in made.values():
+        e.close()
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS) + ["generic"])
+def test_a_forced_call_needing_the_search_is_made_in_every_tool_format(tool_engines, fmt):
+    # An email and a date in the arguments (raw element values in the XML formats): at the
+    # minimum and a few tokens above it the call is made and its arguments validate, formats
+    # checked; speculation gives plain decoding's tokens.
+    e = tool_engines(fmt)
+    ask = (Message("user", "Save Ada's contact."),)
+    base = GenerateRequest(messages=ask, tools=(CONTACT_TOOL,), tool_choice="required",
+                           max_tokens=400, spec=None)
+    req = e.prepare(base)
+    assert req.closing is not None and req.unguaranteed is None, req.unguaranteed
+    for extra, params in ((0, SamplingParams()), (3, SamplingParams(1.0, seed=5))):
+        greq = dataclasses.replace(base, max_tokens=req.closing.minimum + extra,
+                                   sampling=params)
+        want = e.generate(e.prepare(greq))
+        assert want.tool_calls, (fmt, extra, e.decode_text(want.tokens))
+        for call in want.tool_calls:
+            jsonschema.Draft202012Validator(CONTACT_TOOL.parameters,
+                                            format_checker=CHECKER).validate(
+                json.loads(call.arguments))
+        got = e.generate(e.prepare(dataclasses.replace(greq, spec={"k": 4},
+                                                        sampling=want_sampling(e, greq))))
+        assert got.tokens == want.tokens, (fmt, extra)
+
+
+def want_sampling(e, greq):
+    """The sampling a prepared request ran with (its seed filled in where it samples)."""
+    return e.prepare(greq).sampling if greq.sampling.greedy else greq.sampling
