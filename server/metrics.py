@@ -25,7 +25,8 @@ class Metrics:
             "draft_proposed_total": 0, "draft_accepted_total": 0,
             **{source_metric(name): 0 for name in SpecStats().source_counts()},
             "grammar_cuts_total": 0, "budget_closings_total": 0,
-            "budget_steered_tokens_total": 0, "budget_unguaranteed_total": 0, "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
+            "budget_steered_tokens_total": 0, "budget_unguaranteed_total": 0,
+            "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
             "requests_rejected_total": 0,
         }
 
@@ -37,7 +38,8 @@ class Metrics:
     def observe(self, prompt_tokens: int, completion_tokens: int, stats: SpecStats,
                 seconds: float, unguaranteed: bool = False) -> None:
         """One finished request; `unguaranteed`: it was served without the budget rule."""
-        self.add(budget_unguaranteed_total=int(unguaranteed), prompt_tokens_total=prompt_tokens, completion_tokens_total=completion_tokens,
+        self.add(budget_unguaranteed_total=int(unguaranteed), prompt_tokens_total=prompt_tokens,
+                 completion_tokens_total=completion_tokens,
                  draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
                  **{source_metric(k): v for k, v in stats.source_counts().items()},
                  grammar_cuts_total=stats.grammar_cuts,

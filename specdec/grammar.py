@@ -152,7 +152,8 @@ class CompiledGrammar:
     nbytes: int = 0
     # the closing walk's length by hints (`GrammarCompiler.minimum`): kept with the grammar,
     # so it goes when the grammar leaves the cache
-    _needs: dict[tuple, tuple[int | None, str]] = field(default_factory=dict, repr=False, compare=False)
+    _needs: dict[tuple, tuple[int | None, str]] = field(default_factory=dict, repr=False,
+                                                        compare=False)
 
     def matcher(self) -> LLMatcher:
         """A fresh matcher at the start of the grammar."""
