@@ -149,3 +149,44 @@ REPEATED: tuple[Case, ...] = tuple(
         "Password reset emails never arrive.",
         "The tracking number for my headphones order does not work.",
     )))
+
+
+CLOSING_FORMATS = ("email", "uri", "hostname", "ipv4", "ipv6", "date", "time", "date-time",
+                   "duration", "uuid")
+EMAIL = {"type": "string", "format": "email"}
+
+
+def one_property(schema: dict) -> dict:
+    """An object of one required property `v` of `schema`."""
+    return {"type": "object", "properties": {"v": schema}, "required": ["v"],
+            "additionalProperties": False}
+
+
+_v = one_property
+# Schemas whose closing needs the budget's search (`specdec.budget`): every kind of
+# constraint the token budget must close (string formats, patterns, long enums, counts,
+# nesting, const, anyOf / oneOf).
+CLOSING_KINDS: dict[str, dict] = {
+    **{f"format_{f}": _v({"type": "string", "format": f}) for f in CLOSING_FORMATS},
+    "contact": {"type": "object", "properties": {
+        "first": {"type": "string"}, "last": {"type": "string"},
+        "phone": {"type": "string", "pattern": "^[0-9]{10}$"}, "email": EMAIL},
+        "required": ["first", "last", "phone", "email"], "additionalProperties": False},
+    "pattern_separators": _v({"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}:[a-z]+$"}),
+    "pattern_alternation": _v({"type": "string", "pattern": "^(ab|cd)+x$"}),
+    "long_enum": _v({"enum": ["supercalifragilistic", "antidisestablishmentarianism"]}),
+    "min_items": _v({"type": "array", "items": EMAIL, "minItems": 3}),
+    "min_length": _v({"type": "string", "minLength": 40}),
+    # (llguidance takes minProperties where every listed property is required; the walk
+    # writes further keys alike, so one beyond the listed ones: `{"a": 1, "": 1}`)
+    "min_properties": {"type": "object", "minProperties": 2, "required": ["a"],
+                       "properties": {"a": {"type": "integer"}},
+                       "additionalProperties": {"type": "integer"}},
+    "nested": _v({"type": "object",
+                  "properties": {"b": _v({"type": "string", "format": "date-time"})},
+                  "required": ["b"], "additionalProperties": False}),
+    "const": _v({"const": "fixed-value-here"}),
+    "any_of": _v({"anyOf": [EMAIL, {"type": "string", "format": "uuid"}]}),
+    "one_of": _v({"oneOf": [{"type": "string", "format": "duration"},
+                            {"type": "integer", "minimum": 10}]}),
+}

@@ -24,6 +24,8 @@ import httpx
 import jsonschema
 import pytest
 
+from bench.workloads import CLOSING_KINDS as KINDS
+from bench.workloads import EMAIL, one_property
 from specdec import budget
 from specdec.budget import closing, need
 from specdec.engine import RequestError
@@ -32,40 +34,6 @@ from specdec.request import GenerateRequest, Message, Tool
 from specdec.sampling import SamplingParams
 from tests.families import TOOL_FORMATS
 
-FORMATS = ("email", "uri", "hostname", "ipv4", "ipv6", "date", "time", "date-time",
-           "duration", "uuid")
-
-
-def _one(schema: dict) -> dict:
-    return {"type": "object", "properties": {"v": schema}, "required": ["v"],
-            "additionalProperties": False}
-
-
-EMAIL = {"type": "string", "format": "email"}
-KINDS: dict[str, dict] = {
-    **{f"format_{f}": _one({"type": "string", "format": f}) for f in FORMATS},
-    "contact": {"type": "object", "properties": {
-        "first": {"type": "string"}, "last": {"type": "string"},
-        "phone": {"type": "string", "pattern": "^[0-9]{10}$"}, "email": EMAIL},
-        "required": ["first", "last", "phone", "email"], "additionalProperties": False},
-    "pattern_separators": _one({"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}:[a-z]+$"}),
-    "pattern_alternation": _one({"type": "string", "pattern": "^(ab|cd)+x$"}),
-    "long_enum": _one({"enum": ["supercalifragilistic", "antidisestablishmentarianism"]}),
-    "min_items": _one({"type": "array", "items": EMAIL, "minItems": 3}),
-    "min_length": _one({"type": "string", "minLength": 40}),
-    # (llguidance takes minProperties where every listed property is required; the walk
-    # writes further keys alike, so one beyond the listed ones: `{"a": 1, "": 1}`)
-    "min_properties": {"type": "object", "minProperties": 2, "required": ["a"],
-                       "properties": {"a": {"type": "integer"}},
-                       "additionalProperties": {"type": "integer"}},
-    "nested": _one({"type": "object", "properties": {"b": _one({"type": "string",
-                                                                 "format": "date-time"})},
-                    "required": ["b"], "additionalProperties": False}),
-    "const": _one({"const": "fixed-value-here"}),
-    "any_of": _one({"anyOf": [EMAIL, {"type": "string", "format": "uuid"}]}),
-    "one_of": _one({"oneOf": [{"type": "string", "format": "duration"},
-                              {"type": "integer", "minimum": 10}]}),
-}
 CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
@@ -133,8 +101,8 @@ SMALL = {  # (small alphabets: the exhaustive search tells states apart by all t
     "duration_like": Constraint.regex(r"P[0-9]{1,2}(D|W)"),
     "long_enum": Constraint.json_schema(KINDS["long_enum"]),
     "const": Constraint.json_schema(KINDS["const"]),
-    "enum_items": Constraint.json_schema(_one({"type": "array", "minItems": 2,
-                                                "items": {"enum": ["alpha", "omega"]}})),
+    "enum_items": Constraint.json_schema(one_property({
+        "type": "array", "minItems": 2, "items": {"enum": ["alpha", "omega"]}})),
 }
 
 
