@@ -30,9 +30,10 @@ takes until the grammar may end (`is_accepting`), one token a step, at most `NEE
      tokens (or may end);
   4. else, of the *candidates* the mask allows, the one whose bytes change the level the
      least (closing most), ties to a special token, then to the shortest, then to the
-     first by their bytes in the byte order `"` `}` `]` `,` space `.` `:` `@` `/` `1`-`9`
-     `0` `a`-`z` `A`-`Z`, then every other byte ascending (separators before the bytes
-     they separate; no year 0); none allowed: the lowest allowed id (an empty mask: no closing).
+     first by their bytes in the byte order `"` `@` `}` `]` `,` space `:` `/` `A`-`Z` `.`
+     `1`-`9` `0` `a`-`z`, then every other byte ascending (separators and designators
+     before the bytes they separate: an email's `@`, a duration's `D`, an address's `.`;
+     no year 0); none allowed: the lowest allowed id (an empty mask: no closing).
 The candidates are the special tokens (markup: no text, no level change; first among
 equal changes, by id), the tokens made only of the bytes `"{}[],: ` and the one-byte tokens.
 
@@ -130,8 +131,8 @@ import numpy as np
 from .types import TokenId
 
 STRUCTURE = frozenset(b'"{}[],: ')
-BYTE_ORDER = (b'"}], .:@/' + b"1234567890" + bytes(range(0x61, 0x7B))
-              + bytes(range(0x41, 0x5B)))
+BYTE_ORDER = (b'"@}], :/' + bytes(range(0x41, 0x5B)) + b"." + b"1234567890"
+              + bytes(range(0x61, 0x7B)))
 SLACK = 64  # the rule is checked from `minimum + SLACK` tokens before the budget's end
 CANDIDATES = 8  # the row's best-scoring tokens the rule considers before the walk's own
 NEED_LIMIT = 4096
@@ -421,7 +422,7 @@ def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[T
             # it may end or leaves that state's level; then walk on from there
             i = seen[last][0]
             start = len(out) - len(places) + 1
-            m = base
+            m = base.deep_copy()
             for t in out[start:i]:
                 m.consume_token(t)
             at = places[i - start]
@@ -430,7 +431,7 @@ def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[T
             if part is None:  # the walk goes on from where it stalled, as if it had not
                 if why is not None:
                     why += tried
-                m = base
+                m = base.deep_copy()
                 for t in out[start:]:
                     m.consume_token(t)
                 at, stalls = places[-1], False

@@ -56,10 +56,10 @@ def test_every_kind_closes_and_its_closing_validates(engine, order, kind):
     assert need(g.matcher(), order) == len(walk)
 
 
-def test_the_walk_alone_never_leaves_an_email_local_part(engine, order, monkeypatch):
-    # Without its search (a stall is then no closing), the walk finds no closing for an
-    # email: what the search is for.
-    g = engine.compiler.compile(Constraint.json_schema(KINDS["format_email"]))
+def test_the_walk_alone_never_leaves_a_repeated_alternation(engine, order, monkeypatch):
+    # Without its search, the walk never finds the `x` that ends `^(ab|cd)+x$` (it keeps
+    # taking `ab`): what the search is for.
+    g = engine.compiler.compile(Constraint.json_schema(KINDS["pattern_alternation"]))
     monkeypatch.setattr(budget, "search", lambda *a, **k: None)
     assert closing(g.matcher(), order, budget.NEED_LIMIT) is None
 
@@ -119,7 +119,7 @@ def test_the_minimum_is_within_a_few_tokens_of_the_exhaustive_shortest(engine, o
 
 def test_a_closing_the_search_cannot_find_is_no_minimum_and_says_why(engine, order,
                                                                       monkeypatch):
-    g = engine.compiler.compile(Constraint.json_schema(KINDS["format_email"]))
+    g = engine.compiler.compile(Constraint.json_schema(KINDS["pattern_alternation"]))
     monkeypatch.setattr(budget, "PROBES", 3)
     why: list[str] = []
     assert need(g.matcher(), order, why=why) is None
