@@ -657,14 +657,6 @@ def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
     return closing(m, order, left, at.after(order, token, keep, ended_reasoning(m)), hints)
 
 
-def closes_after(matcher, token: TokenId, order: ClosingOrder, left: int,
-                 eos: frozenset[int], at: Place, hints: Sequence[Sequence[TokenId]] = ()
-                 ) -> bool:
-    """Whether the walk from the state after `token` closes within `left` tokens (an end
-    token: whether the grammar may end here)."""
-    return closing_after(matcher, token, order, left, eos, at, hints) is not None
-
-
 @dataclass(frozen=True)
 class Closing:
     """What a prepared request's rule needs: its tokenizer's closing order and the need at
