@@ -6,6 +6,10 @@ budget is at least its constraint's minimum is complete and valid when the budge
   plain decoding with the rule equals the oracle's own implementation of it (tokens and
   finish), every proposer and token trees equal plain decoding, 0 grammar cuts with draft
   masking, and every output is a complete document.
+- The same cells over schemas whose closings need the walk's search (string formats, byte
+  patterns, an alternation, minItems of emails, minLength, minProperties, const, anyOf):
+  plain equals the oracle, serving-like speculation and token trees equal plain; one such
+  request decoded inside a batch of other steered requests equals it decoded alone.
 - Tool calls in every tool format, forced with a budget just above the minimum: the call is
   made and its arguments validate, plain equals the oracle and speculation equals plain.
 - The embedded model through every API (in process): capped answers parse, streamed or not;
@@ -104,13 +108,22 @@ def test_the_walk_closes_ordinary_documents_the_short_way(compiler, order):
 
 # -- budget cells on the tiny models ------------------------------------------------------
 
-@REFERENCE
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("case", TINY_CASES, ids=[c.name for c in TINY_CASES])
-def test_budget_cells_equal_plain_decoding_and_the_oracle(target, drafts, compiler, order,
-                                                          prompt, case, mode):
-    params = MODES[mode]
-    c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
+def _reference(target, compiler, prompt, c: Constraint, params: SamplingParams,
+               max_tokens: int):
+    """The oracle's decode of `c` with the budget rule on a tiny target."""
+    return reference_decode(target, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
+                            max_tokens=max_tokens, matcher=compiler.compile(c).matcher(),
+                            temperature=params.temperature, top_k=params.top_k,
+                            top_p=params.top_p, seed=params.seed or 0,
+                            budget=BudgetOracle.of(compiler.tokenizer, WIDTH, EOS,
+                                                   max_tokens))
+
+
+def _budget_cells(target, compiler, order, prompt, c: Constraint, params: SamplingParams,
+                  cells, tallied: str) -> None:
+    """Decode `c` at budgets at, 2 and 7 above its minimum: plain decoding with the rule
+    equals the oracle (tokens and finish) and is a complete document; each (name, draft,
+    SpecConfig) of `cells` equals plain, with no grammar cut where drafts are masked."""
     g = compiler.compile(c)
     minimum = need(g.matcher(), order)
     assert minimum is not None
@@ -121,34 +134,145 @@ def test_budget_cells_equal_plain_decoding_and_the_oracle(target, drafts, compil
                                  params=params, closing=order, timings=stats))
         steered += stats.budget_steered
         finishes.add(want[1])
-        oracle = reference_decode(target, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
-                                  max_tokens=max_tokens, matcher=g.matcher(),
-                                  temperature=params.temperature, top_k=params.top_k,
-                                  top_p=params.top_p, seed=params.seed or 0,
-                                  budget=BudgetOracle.of(compiler.tokenizer, WIDTH, EOS,
-                                                         max_tokens))
+        oracle = _reference(target, compiler, prompt, c, params, max_tokens)
         same = report(oracle, want[0]) is None and want[1] == oracle.finish_reason
-        tally.record("budget: tiny plain vs oracle", same)
+        tally.record(f"budget: {tallied} plain vs oracle", same)
         assert same, (max_tokens, want, oracle.tokens, oracle.finish_reason)
         assert _complete(compiler, c, want[0]), (max_tokens, _text(compiler, want[0]))
         if stats.budget_steered:  # the budget forced the close
             assert want[1] == "length"
-        cells = [("self", target, SpecConfig(4)), ("bad", drafts["bad"], SpecConfig(2, True)),
-                 ("bad unmasked", drafts["bad"], SpecConfig(4, draft_masking=False)),
-                 ("none+lookup", None, SpecConfig(8, lookup=True)),
-                 ("soft+tree", drafts["soft"], SpecConfig(4, lookup=True, draft_min_prob=0.3,
-                                                          tree=8, tree_min_score=0.02))]
         for name, draft, spec in cells:
             st = SpecStats()
             got = drain(spec_steps(target, draft, prompt, max_tokens=max_tokens,
                                    matcher=g.matcher(), params=params, spec=spec,
                                    closing=order, stats=st))
-            tally.record("budget: tiny spec vs plain", got == want)
+            tally.record(f"budget: {tallied} spec vs plain", got == want)
             assert got == want, (name, max_tokens)
             if spec.draft_masking:
                 assert st.grammar_cuts == 0, (name, max_tokens)
     # Steered, or every answer ended on its own within the minimum (enums, the date regex).
     assert steered > 0 or finishes == {"stop"}, "neither steered nor ended: untested"
+
+
+@REFERENCE
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("case", TINY_CASES, ids=[c.name for c in TINY_CASES])
+def test_budget_cells_equal_plain_decoding_and_the_oracle(target, drafts, compiler, order,
+                                                          prompt, case, mode):
+    cells = [("self", target, SpecConfig(4)), ("bad", drafts["bad"], SpecConfig(2, True)),
+             ("bad unmasked", drafts["bad"], SpecConfig(4, draft_masking=False)),
+             ("none+lookup", None, SpecConfig(8, lookup=True)),
+             ("soft+tree", drafts["soft"], SpecConfig(4, lookup=True, draft_min_prob=0.3,
+                                                      tree=8, tree_min_score=0.02))]
+    _budget_cells(target, compiler, order, prompt,
+                  Constraint(case.kind, case.value),  # type: ignore[arg-type]
+                  MODES[mode], cells, "tiny")
+
+
+# Schemas whose closing the walk alone does not find from every state: it keeps coming back
+# to a state its steps do not leave (an email's local part, a string under its minLength, a
+# pattern's alternation), stalls, and the search finds the way on. (llguidance refuses the
+# formats idn-email and uri-reference as unknown.)
+SEARCHED = {f: {"type": "string", "format": f} for f in (
+    "email", "uri", "hostname", "ipv4", "ipv6", "date", "time", "date-time", "duration",
+    "uuid")} | {
+    "pattern": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}:[a-z]+$"},
+    "alternation": {"type": "string", "pattern": "^(ab|cd)+x$"},
+    "long enum": {"enum": ["an unusually long enumerated value that the closing spells out",
+                           "another long value, every token of it forced once begun"]},
+    "emails": {"type": "array", "items": {"type": "string", "format": "email"},
+               "minItems": 2},
+    "min length": {"type": "string", "minLength": 40},
+    "min properties": {"type": "object", "minProperties": 3},
+    "nested date-time": {"type": "object", "required": ["event"], "properties": {"event": {
+        "type": "object", "required": ["at", "who"], "properties": {
+            "at": {"type": "string", "format": "date-time"},
+            "who": {"type": "object", "required": ["name"],
+                    "properties": {"name": {"type": "string"}}}}}}},
+    "const": {"type": "object", "required": ["v"],
+              "properties": {"v": {"const": "version-2024.11-stable"}}},
+    "email or uuid": {"anyOf": [{"type": "string", "format": "email"},
+                                {"type": "string", "format": "uuid"}]},
+}
+
+
+# One decision rule per kind (alternating), to keep the matrix's time modest.
+SEARCHED_CELLS = [(kind, sorted(MODES)[i % 2]) for i, kind in enumerate(sorted(SEARCHED))]
+
+
+@REFERENCE
+@pytest.mark.parametrize("kind, mode", SEARCHED_CELLS, ids=[f"{k}-{m}" for k, m in SEARCHED_CELLS])
+def test_searched_closings_equal_plain_decoding_and_the_oracle(target, drafts, compiler,
+                                                               order, prompt, kind, mode):
+    """Budget cells over schemas whose closings need the search: plain equals the oracle,
+    serving-like speculation (an unrelated draft: many rejections) and token trees equal
+    plain."""
+    cells = [("serving", drafts["bad"], SpecConfig.serving()),
+             ("soft+tree", drafts["soft"], SpecConfig(4, lookup=True, draft_min_prob=0.3,
+                                                      tree=8, tree_min_score=0.02))]
+    _budget_cells(target, compiler, order, prompt, Constraint.json_schema(SEARCHED[kind]),
+                  MODES[mode], cells, "tiny searched")
+
+
+@REFERENCE
+def test_a_searched_closing_in_a_batch_equals_it_decoded_alone(target, drafts, compiler,
+                                                                order, prompt):
+    """A needle whose closing needs the search (an email or a uuid), its budget near the
+    minimum, decoded inside a batch of other steered requests (searched and not,
+    speculative and plain, some joining late) gives the tokens it gives alone, and the
+    oracle's."""
+    from specdec.budget import Closing
+    from specdec.core import Models, new_state, prefill, run_round
+    from specdec.request import Request
+
+    models = Models(target, WIDTH, drafts["soft"], WIDTH)
+    greedy, seeded = MODES["greedy"], MODES["seeded"]
+
+    def request(kind, extra, params, spec, lead=()):
+        c = Constraint.json_schema(SEARCHED[kind])
+        minimum = need(compiler.compile(c).matcher(), order)
+        return c, Request(tuple(prompt) + tuple(lead), sampling=params,
+                          max_tokens=minimum + extra, spec=spec,
+                          closing=Closing(order, minimum))
+
+    serving = SpecConfig.serving()
+    steered = 0
+    for params in (greedy, seeded):
+        c, needle = request("email or uuid", 2, params, serving)
+        want = drain(spec_steps(target, drafts["soft"], needle.prompt_ids,
+                                max_tokens=needle.max_tokens,
+                                matcher=compiler.compile(c).matcher(), params=params,
+                                spec=serving, closing=order))
+        oracle = _reference(target, compiler, needle.prompt_ids, c, params, needle.max_tokens)
+        assert (want[0], want[1]) == (list(oracle.tokens), oracle.finish_reason)
+        assert _complete(compiler, c, want[0])
+        others = [request("email", 0, seeded, SpecConfig(4), (401, 402)),
+                  request("nested date-time", 1, greedy, None, (403,)),
+                  request("min length", 3, seeded, serving, (404, 405, 406)),
+                  request("alternation", 0, greedy, SpecConfig(2, draft_masking=False))]
+        states = [new_state(models, r, EOS, matcher=compiler.compile(oc).matcher())
+                  for oc, r in [others[0], (c, needle), *others[1:]]]
+        s = states[1]
+        for st in states[:3]:
+            prefill(models, st)
+        active, out, rnd = states[:3], [], 0
+        while not s.done:
+            if rnd == 2:  # the rest join mid-flight
+                for st in states[3:]:
+                    prefill(models, st)
+                active += states[3:]
+            run_round(models, active)
+            out += s.new_tokens
+            active = [a for a in active if not a.done or a is s]
+            rnd += 1
+        assert s.error is None, s.error
+        for st in states:
+            st.release()
+        same = (out, s.finish) == want
+        tally.record("budget: searched needle in a batch vs alone", same)
+        assert same, (params, out, want)
+        steered += s.stats.budget_steered
+    assert steered > 0, "the budget never steered the needle: the rule untested in a batch"
 
 
 # -- tool calls in every format ------------------------------------------------------------
