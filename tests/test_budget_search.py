@@ -246,21 +246,38 @@ def _text(path: str, body: dict, r: httpx.Response) -> str:
     return "".join(b["text"] for b in d["content"] if b["type"] == "text")
 
 
+@pytest.fixture(scope="module")
+def answered(engine, app) -> dict[str, tuple[int, list, list]]:
+    """Every kind's minimum, its calls and their responses: Chat whole at the minimum,
+    another API streamed a few tokens above it (the kinds take turns at Responses and
+    Messages) and that API below it; posted all at once (decoded in batches)."""
+    calls: dict[str, tuple[int, list]] = {}
+    for n, kind in enumerate(sorted(KINDS)):
+        schema, minimum = KINDS[kind], _minimum(engine, KINDS[kind])
+        other = ("responses", "messages")[n % 2]
+        calls[kind] = (minimum, [_call("chat", schema, minimum, False),
+                                 _call(other, schema, minimum + 3, True),
+                                 _call(other, schema, minimum - 1, False)])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=600) as c:
+            return await asyncio.gather(*(c.post(path, json=body) for _, cs in calls.values()
+                                          for path, body in cs))
+    got = iter(asyncio.run(go()))
+    return {kind: (minimum, cs, [next(got) for _ in cs])
+            for kind, (minimum, cs) in calls.items()}
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_every_kind_at_and_above_its_minimum_parses_below_it_is_a_400(engine, app, kind):
+def test_every_kind_at_and_above_its_minimum_parses_below_it_is_a_400(engine, answered, kind):
     schema = KINDS[kind]
-    minimum = _minimum(engine, schema)
+    minimum, calls, (ok_min, ok_above, below) = answered[kind]
     with pytest.raises(RequestError) as e:
         engine.prepare(GenerateRequest(messages=(Message("user", USER),),
                                        constraint=Constraint.json_schema(schema),
                                        max_tokens=minimum - 1))
     assert e.value.param == "max_tokens" and f"takes {minimum} tokens" in str(e.value)
-    # Chat whole at the minimum, another API streamed a few tokens above it (the kinds
-    # take turns at Responses and Messages), and a 400 below it on that API.
-    other = ("responses", "messages")[sorted(KINDS).index(kind) % 2]
-    calls = [_call("chat", schema, minimum, False), _call(other, schema, minimum + 3, True),
-             _call(other, schema, minimum - 1, False)]
-    ok_min, ok_above, below = _post(app, calls)
     for (path, body), r in zip(calls[:2], (ok_min, ok_above)):
         assert r.status_code == 200, r.text
         _valid(schema, _text(path, body, r))
