@@ -33,7 +33,7 @@ same signature kept (for each signature its successors reached, the first token 
 it); else the allowed search tokens (special, structure and printable one-byte tokens, in
 the candidates' tie order), then every other allowed one by id where at most 16 are
 allowed, then each hint's next token. A new path whose signature another new path of its
-depth has is dropped; after 4096 successor states the search gives up: no closing. Last,
+depth has is dropped; after 4096 successor states the search gives up (found nothing). Last,
 the closing is written anew where shorter: each run between special tokens as the
 tokenizer's own tokens for its bytes, where the grammar takes that and may end. A closing
 within `n` is the closing where it has at most `n` tokens.
@@ -168,6 +168,7 @@ class BudgetOracle:
     thinking: Any = None  # the request's thinking rule (`reference.ThinkingRule`), if any
     known: list[int] | None = None
     tokenizer: Any = None  # llguidance's, to write a closing anew (None: never)
+    searches: int = 0  # searches its walks made (a test can see the search ran)
 
     def __post_init__(self) -> None:
         self.candidates, self.rank, self.search_order = _orders(self.token_bytes)
@@ -367,9 +368,10 @@ class BudgetOracle:
                 return None
             assert isinstance(stall, tuple)
             _, first, there = seen[stall]
-            found, gave_up = self._search(there, NEED_LIMIT - first)
-            if gave_up:
-                return None
+            # (a search that gave up found nothing: "a long count, such as `minItems:
+            # 500`, is walked to its end", which only a search giving up leaves)
+            found, _ = self._search(there, NEED_LIMIT - first)
+            self.searches += 1
             if found is not None:
                 taken = taken[:first] + found.path
                 at, seen, last = found, {}, None

@@ -27,8 +27,8 @@ import httpx
 import jsonschema
 import pytest
 
-from bench.workloads import CASES
-from oracle import BudgetOracle, reference_decode, report
+from bench.workloads import CASES, CLOSING_KINDS
+from oracle import BudgetOracle, OracleResult, reference_decode, report
 from specdec import blas
 from specdec.budget import Nesting, Place, closing, need
 from specdec.engine import Engine, RequestError
@@ -109,32 +109,33 @@ def test_the_walk_closes_ordinary_documents_the_short_way(compiler, order):
 # -- budget cells on the tiny models ------------------------------------------------------
 
 def _reference(target, compiler, prompt, c: Constraint, params: SamplingParams,
-               max_tokens: int):
-    """The oracle's decode of `c` with the budget rule on a tiny target."""
+               max_tokens: int) -> tuple[OracleResult, BudgetOracle]:
+    """The oracle's decode of `c` with the budget rule on a tiny target, and its rule."""
+    rule = BudgetOracle.of(compiler.tokenizer, WIDTH, EOS, max_tokens)
     return reference_decode(target, prompt, vocab_size=WIDTH, eos_token_ids=EOS,
                             max_tokens=max_tokens, matcher=compiler.compile(c).matcher(),
                             temperature=params.temperature, top_k=params.top_k,
-                            top_p=params.top_p, seed=params.seed or 0,
-                            budget=BudgetOracle.of(compiler.tokenizer, WIDTH, EOS,
-                                                   max_tokens))
+                            top_p=params.top_p, seed=params.seed or 0, budget=rule), rule
 
 
 def _budget_cells(target, compiler, order, prompt, c: Constraint, params: SamplingParams,
-                  cells, tallied: str) -> None:
+                  cells, tallied: str) -> int:
     """Decode `c` at budgets at, 2 and 7 above its minimum: plain decoding with the rule
     equals the oracle (tokens and finish) and is a complete document; each (name, draft,
-    SpecConfig) of `cells` equals plain, with no grammar cut where drafts are masked."""
+    SpecConfig) of `cells` equals plain, with no grammar cut where drafts are masked.
+    Returns how many searches the oracle's walks made."""
     g = compiler.compile(c)
     minimum = need(g.matcher(), order)
     assert minimum is not None
-    steered, finishes = 0, set()
+    steered, finishes, searches = 0, set(), 0
     for max_tokens in (minimum, minimum + 2, minimum + 7):
         stats = SpecStats()
         want = drain(plain_steps(target, prompt, max_tokens=max_tokens, matcher=g.matcher(),
                                  params=params, closing=order, timings=stats))
         steered += stats.budget_steered
         finishes.add(want[1])
-        oracle = _reference(target, compiler, prompt, c, params, max_tokens)
+        oracle, rule = _reference(target, compiler, prompt, c, params, max_tokens)
+        searches += rule.searches
         same = report(oracle, want[0]) is None and want[1] == oracle.finish_reason
         tally.record(f"budget: {tallied} plain vs oracle", same)
         assert same, (max_tokens, want, oracle.tokens, oracle.finish_reason)
@@ -152,6 +153,7 @@ def _budget_cells(target, compiler, order, prompt, c: Constraint, params: Sampli
                 assert st.grammar_cuts == 0, (name, max_tokens)
     # Steered, or every answer ended on its own within the minimum (enums, the date regex).
     assert steered > 0 or finishes == {"stop"}, "neither steered nor ended: untested"
+    return searches
 
 
 @REFERENCE
@@ -169,35 +171,35 @@ def test_budget_cells_equal_plain_decoding_and_the_oracle(target, drafts, compil
                   MODES[mode], cells, "tiny")
 
 
-# Schemas whose closing the walk alone does not find from every state: it keeps coming back
-# to a state its steps do not leave (an email's local part, a string under its minLength, a
-# pattern's alternation), stalls, and the search finds the way on. (llguidance refuses the
+# Schemas whose closing needs the walk's search (`CLOSING_KINDS`, shared with the bench),
+# and a few more whose walks stall with the walk's byte order as it is (a byte the pattern
+# needs late in that order, counts whose steps repeat): the walk keeps coming back to a
+# state its steps do not leave, and the search finds the way on. (llguidance refuses the
 # formats idn-email and uri-reference as unknown.)
-SEARCHED = {f: {"type": "string", "format": f} for f in (
-    "email", "uri", "hostname", "ipv4", "ipv6", "date", "time", "date-time", "duration",
-    "uuid")} | {
-    "pattern": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}:[a-z]+$"},
-    "alternation": {"type": "string", "pattern": "^(ab|cd)+x$"},
-    "long enum": {"enum": ["an unusually long enumerated value that the closing spells out",
-                           "another long value, every token of it forced once begun"]},
-    "emails": {"type": "array", "items": {"type": "string", "format": "email"},
-               "minItems": 2},
-    "min length": {"type": "string", "minLength": 40},
-    "min properties": {"type": "object", "minProperties": 3},
-    "nested date-time": {"type": "object", "required": ["event"], "properties": {"event": {
-        "type": "object", "required": ["at", "who"], "properties": {
-            "at": {"type": "string", "format": "date-time"},
-            "who": {"type": "object", "required": ["name"],
-                    "properties": {"name": {"type": "string"}}}}}}},
-    "const": {"type": "object", "required": ["v"],
-              "properties": {"v": {"const": "version-2024.11-stable"}}},
-    "email or uuid": {"anyOf": [{"type": "string", "format": "email"},
-                                {"type": "string", "format": "uuid"}]},
+STALLING: dict[str, dict] = {
+    "pattern_hash": {"type": "string", "pattern": "^[a-z]+#[0-9]$"},
+    "pattern_x_then_y": {"type": "string", "pattern": "^x+y$"},
+    "ids": {"type": "array", "items": {"type": "string", "pattern": "^id_[a-z]+\\$$"},
+            "minItems": 2},
+    "integers": {"type": "array", "items": {"type": "integer"}, "minItems": 20},
+    "strings": {"type": "array", "items": {"type": "string"}, "minItems": 20},
 }
-
-
-# One decision rule per kind (alternating), to keep the matrix's time modest.
+SEARCHED = {**CLOSING_KINDS, **STALLING}
+# One decision rule per kind, alternating, keeps the matrix's time modest.
 SEARCHED_CELLS = [(kind, sorted(MODES)[i % 2]) for i, kind in enumerate(sorted(SEARCHED))]
+
+
+def test_the_oracle_measures_the_minimum_specdec_measures(compiler, order):
+    """The closing walk from the start, searches and all, as both sides measure it; with a
+    count the search gives up on (`minItems: 500`), the walk goes on to its end."""
+    kinds = {**SEARCHED, "integers_500": {"type": "array", "items": {"type": "integer"},
+                                          "minItems": 500}}
+    constraints = [Constraint.json_schema(v) for v in kinds.values()] + [
+        Constraint(c.kind, c.value) for c in CASES]  # type: ignore[arg-type]
+    for c in constraints:
+        rule = BudgetOracle.of(compiler.tokenizer, WIDTH, EOS, 1)
+        assert rule.start(compiler.compile(c).matcher()) == \
+            need(compiler.compile(c).matcher(), order), c.value
 
 
 @REFERENCE
@@ -210,14 +212,17 @@ def test_searched_closings_equal_plain_decoding_and_the_oracle(target, drafts, c
     cells = [("serving", drafts["bad"], SpecConfig.serving()),
              ("soft+tree", drafts["soft"], SpecConfig(4, lookup=True, draft_min_prob=0.3,
                                                       tree=8, tree_min_score=0.02))]
-    _budget_cells(target, compiler, order, prompt, Constraint.json_schema(SEARCHED[kind]),
-                  MODES[mode], cells, "tiny searched")
+    searches = _budget_cells(target, compiler, order, prompt,
+                             Constraint.json_schema(SEARCHED[kind]), MODES[mode], cells,
+                             "tiny searched")
+    if kind in STALLING:
+        assert searches > 0, "the walk never searched: the search untested"
 
 
 @REFERENCE
 def test_a_searched_closing_in_a_batch_equals_it_decoded_alone(target, drafts, compiler,
                                                                 order, prompt):
-    """A needle whose closing needs the search (an email or a uuid), its budget near the
+    """A needle whose closing needs the search (a list of patterned ids), its budget near the
     minimum, decoded inside a batch of other steered requests (searched and not,
     speculative and plain, some joining late) gives the tokens it gives alone, and the
     oracle's."""
@@ -238,18 +243,21 @@ def test_a_searched_closing_in_a_batch_equals_it_decoded_alone(target, drafts, c
     serving = SpecConfig.serving()
     steered = 0
     for params in (greedy, seeded):
-        c, needle = request("email or uuid", 2, params, serving)
+        c, needle = request("ids", 2, params, serving)
         want = drain(spec_steps(target, drafts["soft"], needle.prompt_ids,
                                 max_tokens=needle.max_tokens,
                                 matcher=compiler.compile(c).matcher(), params=params,
                                 spec=serving, closing=order))
-        oracle = _reference(target, compiler, needle.prompt_ids, c, params, needle.max_tokens)
+        oracle, rule = _reference(target, compiler, needle.prompt_ids, c, params,
+                                  needle.max_tokens)
         assert (want[0], want[1]) == (list(oracle.tokens), oracle.finish_reason)
+        assert rule.searches > 0, "the needle's closings never searched"
         assert _complete(compiler, c, want[0])
-        others = [request("email", 0, seeded, SpecConfig(4), (401, 402)),
-                  request("nested date-time", 1, greedy, None, (403,)),
-                  request("min length", 3, seeded, serving, (404, 405, 406)),
-                  request("alternation", 0, greedy, SpecConfig(2, draft_masking=False))]
+        others = [request("pattern_hash", 0, seeded, SpecConfig(4), (401, 402)),
+                  request("nested", 1, greedy, None, (403,)),
+                  request("min_length", 3, seeded, serving, (404, 405, 406)),
+                  request("pattern_alternation", 0, greedy,
+                          SpecConfig(2, draft_masking=False))]
         states = [new_state(models, r, EOS, matcher=compiler.compile(oc).matcher())
                   for oc, r in [others[0], (c, needle), *others[1:]]]
         s = states[1]
