@@ -513,7 +513,7 @@ class BudgetOracle:
         cut = next((i for i, t in enumerate(known) if self._special(t)), len(known))
         text = b"".join(self._bytes(t) for t in known[:cut])
         head = self._bytes(tok)
-        if len(head) >= len(text) or not text.startswith(head):
+        if not head or len(head) >= len(text) or not text.startswith(head):
             return None
         return [int(t) for t in self.tokenizer.tokenize_bytes(text[len(head):])] + known[cut:]
 

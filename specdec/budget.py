@@ -83,11 +83,11 @@ the state after it); none at its first check. A token's *proof* within `n` token
 end token, `[]` where the grammar may end here (else none); else, from `known`, its rest
 where the token is its first and the rest has at most `n` tokens; else `known` itself
 where it has at most `n` tokens and the grammar takes the token, then `known`, and may
-end; else, where the token's bytes begin (and are shorter than) the bytes of `known`'s
-tokens before its first special token, the tokenizer's own tokens for the rest of those
-bytes followed by `known`'s tokens from that special token on, where it has at most `n`
-tokens and the grammar takes the token, then it, and may end; else the closing from the
-state after the token, within `n`. Then:
+end; else, where the token has text (not a special token) and its bytes begin (and are
+shorter than) the bytes of `known`'s tokens before its first special token, the
+tokenizer's own tokens for the rest of those bytes followed by `known`'s tokens from that
+special token on, where it has at most `n` tokens and the grammar takes the token, then
+it, and may end; else the closing from the state after the token, within `n`. Then:
   - while `left - 1 >= window` (`window` = the minimum + `SLACK`), nothing is checked;
   - else `t` stands when it has a proof within `left - 1`;
   - else, when there is a closing from the current state within `left` (`known` where it
@@ -100,8 +100,9 @@ The proof of the token the position takes becomes `known`.
 A position where the rule changed the pick is *steered*; a request with a steered position
 ends with finish "length" (the budget forced its close), its document complete.
 
-A request whose minimum is not found (no closing within `NEED_LIMIT` tokens, or a search
-that gave up) is served without the rule, and says so (`budget_unguaranteed`).
+A request whose minimum is not found (no closing within `NEED_LIMIT` tokens, a dead end, or
+more than `MINIMUM_S` spent finding it) is served without the rule, and says so
+(`budget_unguaranteed`).
 
 The closing's work counts in the request's grammar budget (`config.MaskBudget`, `Spend`):
 a fill slower than its `mask_s`, or the rule's work in all past what is left of its
