@@ -1,6 +1,8 @@
-"""`python -m bench report [--quick] [--json FILE] [--plots DIR]`: run the benchmark suites
-(in a subprocess, so the fast BLAS is picked before MLX loads), print one table and write the
-same rows as JSON `[{"name", "value", "unit", "note"}]`."""
+"""`python -m bench report [--quick | --smoke] [--json FILE] [--plots DIR]`: run the benchmark
+suites (in a subprocess, so the fast BLAS is picked before MLX loads), print one table and
+write the same rows as JSON `[{"name", "value", "unit", "note"}]`. Exits 1 when a suite
+fails or a required row is missing; `--smoke` (CI, tests/test_bench.py) runs every suite
+once at its smallest sizes, which checks exactly that, and measures nothing."""
 
 from __future__ import annotations
 
@@ -77,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
     rp = sub.add_parser("report", help="run the suites and print the figures")
-    rp.add_argument("--quick", action="store_true", help="fewer rounds (under 10 minutes)")
+    size = rp.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer rounds (under 10 minutes)")
+    size.add_argument("--smoke", action="store_true",
+                      help="every suite once at its smallest sizes: the rows are written, "
+                      "their figures measure nothing (a few minutes)")
     rp.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     rp.add_argument("--plots", metavar="DIR", help="write PNG plots")
     rp.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, SPECDEC_BENCH_OUT=str(out))
         if args.quick:
             env["SPECDEC_BENCH_QUICK"] = "1"
+        if args.smoke:
+            env["SPECDEC_BENCH_SMOKE"] = "1"
         cmd = [sys.executable, "-m", "pytest", str(Path(__file__).parent), "-q",
                "-p", "no:cacheprovider", "--benchmark-disable-gc", *args.pytest_args]
         proc = subprocess.run(cmd, env=env)
@@ -97,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(out.read_text())
     rows = data["rows"]
     print(f"\n{data['machine']}")
+    if args.smoke:
+        print("smoke run: every suite at its smallest sizes; the figures measure nothing")
     print(f"{'figure':44} {'value':>10} {'unit':9} how measured")
     for r in rows:
         print(f"{r['name']:44} {r['value']:10.3f} {r['unit']:9} {r['note']}")

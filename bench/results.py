@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 
 @dataclass(frozen=True)
@@ -15,12 +17,30 @@ class Row:
 
 
 ROWS: list[Row] = []
-QUICK = os.environ.get("SPECDEC_BENCH_QUICK") == "1"
+# Smoke mode (CI): every suite runs once at its smallest sizes, to show that it runs and
+# writes its rows; its figures measure nothing. It counts as quick mode too (`QUICK`).
+SMOKE = os.environ.get("SPECDEC_BENCH_SMOKE") == "1"
+QUICK = SMOKE or os.environ.get("SPECDEC_BENCH_QUICK") == "1"
+SMOKE_PROMPTS = 1  # the workload prompts a suite decodes in smoke mode
+
+T = TypeVar("T")
+
+
+def size(quick: int, full: int, smoke: int = 1) -> int:
+    """A suite's count (prompts, clients, steps, pairs): `smoke` in smoke mode, `quick` in
+    quick mode, else `full`."""
+    return smoke if SMOKE else quick if QUICK else full
 
 
 def rounds(quick: int, full: int = 3) -> int:
-    """Repeats for a suite: `SPECDEC_BENCH_ROUNDS`, else `quick` in quick mode, else `full`."""
-    return int(os.environ.get("SPECDEC_BENCH_ROUNDS", quick if QUICK else full))
+    """Repeats for a suite: `SPECDEC_BENCH_ROUNDS`, else 1 in smoke mode, `quick` in quick
+    mode, else `full`."""
+    return int(os.environ.get("SPECDEC_BENCH_ROUNDS", size(quick, full)))
+
+
+def prompts(workloads: Sequence[T], smoke: int = SMOKE_PROMPTS) -> list[T]:
+    """The workloads a suite decodes: all of them, the first `smoke` in smoke mode."""
+    return list(workloads[:smoke] if SMOKE else workloads)
 
 
 def add(name: str, value: float, unit: str, note: str) -> None:
