@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import results
 from bench.workloads import Case
+from specdec.errors import RequestError
 from specdec.grammar import Constraint
 
 
@@ -45,29 +47,91 @@ class ArmResult:
 Arm = Callable[[Any, list[int], Constraint, int], Any]  # (engine, ids, constraint, n) -> result
 
 
-def workload_items(engine: Any, cases: Sequence[Case], max_tokens: int
-                   ) -> list[tuple[list[int], Constraint, int]]:
-    """(prompt ids, constraint, token budget) per case; the budget is what plain constrained
-    decoding generates, so every arm decodes about the same number of tokens."""
-    items = []
+class BudgetTooSmall(AssertionError):
+    """A budget a suite states is below what a workload's constraint needs (the engine would
+    refuse it with `max_tokens_too_small`): the suite's budget is to be raised."""
+
+
+def minimum_budget(engine: Any, name: str, ids: list[int], constraint: Constraint | None,
+                   budget: int) -> int:
+    """The least max_tokens the engine takes for `ids` under `constraint` (its budget rule's
+    minimum, `Request.closing`; 1 where the rule does not apply), checked against the
+    `budget` the suite states for workload `name`.
+
+    Raises:
+        BudgetTooSmall: naming the workload, where `budget` is below the minimum.
+    """
+    if constraint is None:
+        return 1
+    try:
+        req = engine.prepare(ids, constraint=constraint, max_tokens=budget, spec=None)
+    except RequestError as e:
+        if e.code != "max_tokens_too_small":
+            raise
+        raise BudgetTooSmall(f"workload {name!r}: the suite's budget of {budget} tokens is "
+                             f"below its constraint's minimum: {e}") from e
+    return 1 if req.closing is None else req.closing.minimum
+
+
+@dataclass(frozen=True)
+class Item:
+    """One workload prompt as every arm decodes it.
+
+    Attributes:
+        name: the workload's name (`Case.name`).
+        ids: the chat prompt's token ids.
+        constraint: the workload's constraint.
+        budget: the max_tokens every arm gets: `generated`, raised to `minimum` where below.
+        generated: the tokens plain constrained decoding generated within the suite's budget.
+        minimum: the constraint's minimum budget (`minimum_budget`).
+    """
+
+    name: str
+    ids: list[int]
+    constraint: Constraint
+    budget: int
+    generated: int
+    minimum: int
+
+
+def workload_items(engine: Any, cases: Sequence[Case], max_tokens: int) -> list[Item]:
+    """One `Item` per case (the first few in smoke mode, `results.prompts`; every case's
+    budget is checked all the same). Its budget is what plain constrained decoding generates
+    within `max_tokens` (checked against each constraint's minimum), so every arm decodes
+    about the same number of tokens; where that is below the constraint's minimum budget (an
+    answer shorter than the constraint's closing walk), the minimum, which the engine
+    requires."""
+    checked = []
     for case in cases:
         c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
         ids = engine.chat_prompt(case.messages(), constrained=True)
+        checked.append((case.name, ids, c, minimum_budget(engine, case.name, ids, c, max_tokens)))
+    items = []
+    for name, ids, c, least in results.prompts(checked):
         r = engine.generate(engine.prepare(ids, constraint=c, max_tokens=max_tokens, spec=None))
-        items.append((ids, c, max(len(r.tokens), 1)))
+        n = max(len(r.tokens), 1)
+        items.append(Item(name, ids, c, max(n, least), n, least))
     return items
 
 
-def interleaved(engine: Any, items: list[tuple[list[int], Constraint, int]],
-                arms: dict[str, Arm], rounds: int) -> dict[str, ArmResult]:
+def budgets_note(items: Sequence[Item], max_tokens: int) -> str:
+    """What the items' budgets were, for a row's note."""
+    raised = [f"{i.name} {i.generated}->{i.budget}" for i in items if i.budget > i.generated]
+    return (f"max_tokens per prompt {min(i.budget for i in items)}-"
+            f"{max(i.budget for i in items)}: plain decoding's length within {max_tokens}"
+            + (f", raised to the constraint's minimum for {', '.join(raised)}" if raised else ""))
+
+
+def interleaved(engine: Any, items: Sequence[Item], arms: dict[str, Arm], rounds: int
+                ) -> dict[str, ArmResult]:
     """Run every arm on every item, `rounds` times, rotating the arm order per item."""
     names = list(arms)
     res = {n: ArmResult(rounds_items=len(items)) for n in names}
     for r in range(rounds):
-        for i, (ids, c, n) in enumerate(items):
+        for i, item in enumerate(items):
             shift = (r + i) % len(names)
             for name in names[shift:] + names[:shift]:
-                out = arms[name](engine, ids, c, n)
+                out = arms[name](engine, item.ids, item.constraint, item.budget)
                 st = out.stats
                 res[name].tokens.append(st.completion_tokens)
                 res[name].seconds.append(st.decode_s)
@@ -89,12 +153,13 @@ def arm(constrained: bool, spec: Any = None) -> Arm:
     return run
 
 
-def plain_answers(engine: Any, items: list[tuple[list[int], Constraint, int]]
-                  ) -> dict[tuple[int, ...], list[int]]:
-    """Each item's tokens decoded plainly, by prompt: what every arm must give."""
-    return {tuple(ids): engine.generate(engine.prepare(ids, constraint=c, max_tokens=n,
-                                                       spec=None)).tokens
-            for ids, c, n in items}
+def plain_answers(engine: Any, items: Sequence[Item]) -> dict[tuple[int, ...], list[int]]:
+    """Each item's tokens decoded plainly within its budget, by prompt: what every arm must
+    give."""
+    return {tuple(i.ids): engine.generate(engine.prepare(i.ids, constraint=i.constraint,
+                                                         max_tokens=i.budget,
+                                                         spec=None)).tokens
+            for i in items}
 
 
 def checked_arm(want: dict[tuple[int, ...], list[int]], spec: Any) -> Arm:

@@ -35,7 +35,7 @@ def served():
 
 def test_budget_on_over_off_and_the_closing_cost(benchmark, served):
     e = served
-    cases = [c for c in CASES if c.kind == "json_schema"]
+    cases = results.prompts([c for c in CASES if c.kind == "json_schema"])
     rounds = results.rounds(2, 4)
 
     def one(case, close: bool, max_tokens: int):

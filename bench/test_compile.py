@@ -10,8 +10,15 @@ import statistics
 import time
 
 from bench import results
+from bench.harness import minimum_budget
 from bench.workloads import CASES
 from specdec.grammar import Constraint
+from specdec.request import DEFAULT_MAX_TOKENS
+
+# The time-to-first-token requests' budget: what a request that names none gets (each is
+# cancelled at its first token; the engine requires at least the constraint's minimum).
+TTFT_MAX_TOKENS = DEFAULT_MAX_TOKENS
+PAIRS = results.size(8, 8, 2)  # time-to-first-token pairs per figure
 
 _counter = itertools.count()
 
@@ -25,7 +32,7 @@ def unique(schema: dict) -> dict:
 
 def ttft(engine, ids, constraint) -> float:
     t0 = time.perf_counter()
-    req = engine.prepare(ids, constraint=constraint, max_tokens=2, spec=None)
+    req = engine.prepare(ids, constraint=constraint, max_tokens=TTFT_MAX_TOKENS, spec=None)
     stream = engine.submit(req)
     next(iter(stream))  # the first event: the first token's text
     stream.cancel()
@@ -37,7 +44,7 @@ def ttft(engine, ids, constraint) -> float:
 def test_compile_and_ttft_unique_vs_cached(benchmark, engine):
     schemas = [c.value for c in CASES if c.kind == "json_schema"]
     compile_ms = []
-    for _ in range(4):
+    for _ in range(results.size(4, 4)):
         for s in schemas:
             t0 = time.perf_counter()
             engine.compiler.compile(Constraint.json_schema(unique(s)))
@@ -49,6 +56,7 @@ def test_compile_and_ttft_unique_vs_cached(benchmark, engine):
     case = CASES[0]
     ids = engine.chat_prompt(case.messages(), constrained=True)
     cached = Constraint.json_schema(case.value)
+    minimum_budget(engine, case.name, ids, cached, TTFT_MAX_TOKENS)
     ttft(engine, ids, cached)  # warm: prompt KV and grammar cached
     ratios = []
 
@@ -57,9 +65,11 @@ def test_compile_and_ttft_unique_vs_cached(benchmark, engine):
         c = ttft(engine, ids, cached)
         ratios.append(u / c)
 
-    benchmark.pedantic(pair, rounds=8, iterations=1)
+    benchmark.pedantic(pair, rounds=PAIRS, iterations=1)
     results.add("ttft_unique_over_cached", statistics.median(ratios), "ratio",
-                "time to first token, unique schema vs cached, same prompt, median of 8 pairs")
+                f"time to first token, unique schema vs cached, same prompt, median of {PAIRS} "
+                "pairs; "
+                f"max_tokens {TTFT_MAX_TOKENS}, cancelled at the first token")
 
 
 def test_ttft_with_a_stored_earlier_turn_vs_cold(benchmark, engine):
@@ -78,6 +88,7 @@ def test_ttft_with_a_stored_earlier_turn_vs_cold(benchmark, engine):
 
     c = Constraint.json_schema(case.value)
     head = engine.chat_prompt(first[:-1], constrained=True)
+    minimum_budget(engine, case.name, head, c, TTFT_MAX_TOKENS)
     ratios, shared = [], []
 
     def pair() -> None:
@@ -93,8 +104,9 @@ def test_ttft_with_a_stored_earlier_turn_vs_cold(benchmark, engine):
         ratios.append(out["warm"] / out["cold"])
 
     ttft(engine, turn(), c)  # warm the grammar
-    benchmark.pedantic(pair, rounds=8, iterations=1)
+    benchmark.pedantic(pair, rounds=PAIRS, iterations=1)
     results.add("ttft_earlier_turn_stored_over_cold", statistics.median(ratios), "ratio",
                 f"time to first token of a next turn ({len(turn())} tokens, "
                 f"{statistics.median(shared)} shared with the stored turn) vs the store "
-                "empty, median of 8 pairs")
+                f"empty, median of {PAIRS} pairs; max_tokens {TTFT_MAX_TOKENS}, cancelled at the "
+                "first token")

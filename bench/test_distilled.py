@@ -12,13 +12,14 @@ import mlx.core as mx
 import pytest
 
 from bench import results
-from bench.harness import arm, interleaved, paired_ratio, workload_items
+from bench.harness import arm, budgets_note, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES, EXTRACTION
 from specdec.speculative import SpecConfig
 
 ROUNDS = results.rounds(1)
 K = 4
 MAX_TOKENS = 64
+EXTRACTION_MAX_TOKENS = results.size(128, 128, 48)  # answers copy long spans
 BENCH_CASES = [c for c in CASES if c.kind in ("json_schema", "regex")]
 GATED = SpecConfig(K, draft_min_prob=0.3)  # drafting ends below p = 0.3 (serving default)
 # the shipped defaults' chain (`SpecConfig.serving()` without earlier answers and trees)
@@ -54,7 +55,7 @@ def _step_ms(model, n: int) -> list[float]:
 
 
 def test_draft_cost_over_target_step(benchmark, engine, draft):
-    n = 20 if results.QUICK else 60
+    n = results.size(20, 60, 8)
     def run():
         t, d = [], []
         for _ in range(4):  # alternate so load changes hit both alike
@@ -79,7 +80,7 @@ def test_distilled_spec_vs_plain(benchmark, distilled):
     res = benchmark.pedantic(lambda: interleaved(distilled, items, arms, ROUNDS), rounds=1,
                              iterations=1)
     note = (f"distilled draft, k={K}, drafting gated at p=0.3; {ROUNDS} rounds x {len(items)} "
-            "prompts")
+            f"prompts; {budgets_note(items, MAX_TOKENS)}")
     for name, r in res.items():
         results.add(f"{name}_tok_s", r.median_tok_s, "tok/s", note)
     sc, pc = res["spec_distilled_constrained"], res["plain_constrained"]
@@ -114,7 +115,7 @@ def test_lookup_on_extraction(benchmark, engine, distilled):
     from specdec.engine import Engine
 
     no_draft = Engine(engine.target, None, SpecConfig(K))
-    items = workload_items(distilled, EXTRACTION, 128)
+    items = workload_items(distilled, EXTRACTION, EXTRACTION_MAX_TOKENS)
 
     def on(e, spec):
         def run(_, ids, c, n):
@@ -127,7 +128,8 @@ def test_lookup_on_extraction(benchmark, engine, distilled):
             "lookup_only": on(no_draft, SpecConfig(K, lookup=True))}
     res = benchmark.pedantic(lambda: interleaved(distilled, items, arms, ROUNDS), rounds=1,
                              iterations=1)
-    note = f"extraction, k={K}, gated at p=0.3; {ROUNDS} rounds x {len(items)} prompts"
+    note = (f"extraction, k={K}, gated at p=0.3; {ROUNDS} rounds x {len(items)} prompts; "
+            f"{budgets_note(items, EXTRACTION_MAX_TOKENS)}")
     for name, r in res.items():
         results.add(f"extraction_{name}_tok_s", r.median_tok_s, "tok/s", note)
     pc, sl = res["plain_constrained"], res["spec_distilled_lookup"]

@@ -13,7 +13,7 @@ import mlx.core as mx
 from bench import results
 
 ROUNDS = results.rounds(3, 5)
-STEPS = 48
+STEPS = results.size(48, 48, 8)
 
 
 def _decode_steps_per_s(model) -> float:

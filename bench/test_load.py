@@ -16,8 +16,8 @@ from tests.serverproc import Server
 def test_load_with_faults(benchmark, engine):
     def run_all() -> None:
         s = Server("--max-batch", "8", "--max-queue", "8", "--request-timeout", "300")
-        rounds = 1 if results.QUICK else 2  # each corpus entry this many times
-        hostile = rounds * len(ENTRIES)
+        # each corpus entry once (twice in a full report); the first few in smoke mode
+        hostile = results.size(len(ENTRIES), 2 * len(ENTRIES), 12)
         n = 3 * hostile
         try:
             r = run(s, clients=16, requests=n, hostile=hostile)

@@ -17,7 +17,8 @@ from specdec.config import EngineConfig
 from specdec.engine import Engine
 from tests.serverproc import InProcess
 
-CLIENTS, MAX_TOKENS = 4, 64  # concurrent requests per model, tokens each
+CLIENTS = results.size(4, 4)  # concurrent requests per model
+MAX_TOKENS = results.size(64, 64, 16)  # tokens each (unconstrained)
 
 
 def _ttft(srv: InProcess, model: str) -> float:

@@ -19,6 +19,7 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from bench import results
+from bench.harness import minimum_budget
 from bench.workloads import CASES
 from specdec.events import Finished
 from specdec.grammar import Constraint
@@ -104,12 +105,16 @@ def test_ours_vs_peer(benchmark, engine):
     ours_spec = Engine(engine.target, engine.target, SpecConfig(K))
     model, V = engine.target.model, engine.target.vocab_size
     eos = set(engine.target.eos_token_ids)
-    cases = [c for c in CASES if c.kind == "json_schema"][:4]
+    checked = [c for c in CASES if c.kind == "json_schema"][:4]
     ratios: dict[str, list[float]] = {"plain": [], "spec": [], "jump": []}
     mismatches: list[str] = []
     left_out: list[str] = []  # the peer's speculative arm off its own greedy decode
     peer_plain: dict[str, list[int]] = {}  # the peer's greedy decode, to say who departed
     jump = Engine(engine.target, None, SpecConfig(8))
+    for case in checked:
+        minimum_budget(engine, case.name, engine.chat_prompt(case.messages(), constrained=True),
+                       Constraint(case.kind, case.value), MAX_TOKENS)
+    cases = results.prompts(checked)
 
     def one_round() -> None:
         for case in cases:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from bench import results
-from bench.harness import arm, interleaved, paired_ratio, workload_items
+from bench.harness import arm, budgets_note, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
 from specdec.speculative import SpecConfig
 
@@ -24,7 +24,8 @@ def test_plain_constrained_vs_unconstrained(benchmark, engine):
                              iterations=1)
     un, co, jf = res["unconstrained"], res["constrained"], res["constrained_jump_forward"]
     ratio = paired_ratio(co, un)
-    note = f"{ROUNDS} rounds x {len(items)} prompts, arms back to back per prompt"
+    note = (f"{ROUNDS} rounds x {len(items)} prompts, arms back to back per prompt; "
+            f"{budgets_note(items, MAX_TOKENS)}")
     benchmark.extra_info.update({"unconstrained_tok_s": un.median_tok_s,
                                  "constrained_tok_s": co.median_tok_s, "ratio": ratio})
     results.add("plain_unconstrained_tok_s", un.median_tok_s, "tok/s",

@@ -17,20 +17,29 @@ import numpy as np
 import pytest
 
 from bench import results
+from bench.harness import minimum_budget
 from bench.workloads import CASES
 from specdec import blas
+from specdec.grammar import Constraint
 from tests.serverproc import Server, free_port
 
-QUICK = results.QUICK
 LEVELS = (1, 4, 8, 16)
-PASSES = 1  # each client sends the six workloads this many times per level
-PAIRS = 1 if QUICK else 2  # extra (c1, c8) pairs for the c8-over-c1 ratios
+# The levels of the sweeps whose rows no report requires (unstructured, the overhead
+# table's): the first alone in smoke mode.
+SIDE_LEVELS = LEVELS[:results.size(len(LEVELS), len(LEVELS))]
+N_CASES = 6  # the JSON-schema workloads every level sends
+# Each client's requests per level: the six workloads once, one in smoke mode.
+PER_CLIENT = results.size(N_CASES, N_CASES, 1)
+PAIRS = results.size(1, 2, 0)  # extra (c1, c8) pairs for the c8-over-c1 ratios
 MAX_TOKENS = 32
 MAX_BATCH = 16
 
 
 @pytest.fixture(scope="module")
 def server(engine):  # `engine` makes sure the model is converted first
+    for case in [c for c in CASES if c.kind == "json_schema"][:N_CASES]:
+        minimum_budget(engine, case.name, engine.chat_prompt(case.messages(), constrained=True),
+                       Constraint(case.kind, case.value), MAX_TOKENS)
     s = Server("--max-batch", str(MAX_BATCH))
     warm(s.client())
     yield s
@@ -71,9 +80,6 @@ class MlxLmServer:
         self.proc.wait(timeout=20)
 
 
-N_CASES = 6  # the JSON-schema workloads every level sends, each client all of them
-
-
 def one(client, i: int, structured: bool, extra_body: dict | None = None,
         model: str = "default", answers: list | None = None) -> tuple[float, int]:
     """Workload i once: (latency, completion tokens); its (workload, text) appended to
@@ -90,15 +96,15 @@ def one(client, i: int, structured: bool, extra_body: dict | None = None,
     return time.perf_counter() - t0, r.usage.completion_tokens
 
 
-def load(client, c: int, passes: int, structured: bool, extra_body: dict | None = None,
+def load(client, c: int, structured: bool, extra_body: dict | None = None,
          model: str = "default", answers: list | None = None) -> tuple[float, np.ndarray]:
-    """`c` concurrent clients, each sending every workload `passes` times in turn (client j
-    starts at workload j), so every level does the same mix of work: (aggregate tok/s,
-    latencies of all requests). `answers`: gets every (workload, text)."""
+    """`c` concurrent clients, each sending `PER_CLIENT` workloads in turn (client j starts
+    at workload j), so every level does the same mix of work: (aggregate tok/s, latencies
+    of all requests). `answers`: gets every (workload, text)."""
 
     def client_run(j: int) -> list[tuple[float, int]]:
         return [one(client, j + t, structured, extra_body, model, answers)
-                for t in range(N_CASES * passes)]
+                for t in range(PER_CLIENT)]
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(c) as pool:
@@ -108,9 +114,10 @@ def load(client, c: int, passes: int, structured: bool, extra_body: dict | None 
 
 
 def warm(client, model: str = "default", kinds: tuple[bool, ...] = (False, True)) -> None:
-    """Every workload once, structured and not, before anything is measured (the first
-    requests pay one-time costs: grammar compiles, first kernels)."""
-    for i in range(N_CASES):
+    """Every workload once (the first few in smoke mode), structured and not, before
+    anything is measured (the first requests pay one-time costs: grammar compiles, first
+    kernels)."""
+    for i in results.prompts(range(N_CASES)):
         for structured in kinds:
             one(client, i, structured, model=model)
 
@@ -119,12 +126,12 @@ def warm(client, model: str = "default", kinds: tuple[bool, ...] = (False, True)
 def test_server_concurrency(benchmark, server, structured):
     def run_all() -> None:
         by: dict[int, tuple[float, np.ndarray]] = {}
-        for c in LEVELS:
-            by[c] = load(server.client(), c, PASSES, bool(structured))
+        for c in (LEVELS if structured else SIDE_LEVELS):
+            by[c] = load(server.client(), c, bool(structured))
             tok_s, lat = by[c]
             suffix = "" if structured else "_unstructured"
-            note = (f"{c * N_CASES * PASSES} requests, {c} clients (each sends the {N_CASES} "
-                    f"workloads), structured ratio {structured}, "
+            note = (f"{c * PER_CLIENT} requests, {c} clients (each sends {PER_CLIENT} of the "
+                    f"{N_CASES} workloads), structured ratio {structured}, "
                     f"max_tokens {MAX_TOKENS}, continuous batching (max batch {MAX_BATCH})")
             results.add(f"server_tok_s_c{c}{suffix}", tok_s, "tok/s", note)
             results.add(f"server_p50_latency_s_c{c}{suffix}", float(np.percentile(lat, 50)),
@@ -136,7 +143,7 @@ def test_server_concurrency(benchmark, server, structured):
             # alternating), so a burst of load on the machine skews one pair, not the ratio.
             pairs = [(by[1], by[8])]
             for r in range(PAIRS):
-                got = {c: load(server.client(), c, PASSES, True)
+                got = {c: load(server.client(), c, True)
                        for c in ((8, 1) if r % 2 == 0 else (1, 8))}
                 pairs.append((got[1], got[8]))
             note = (f"c8 over c1, structured, median of {len(pairs)} adjacent pairs "
@@ -154,17 +161,17 @@ def test_server_concurrency(benchmark, server, structured):
 def test_constrained_over_unconstrained_by_concurrency(benchmark, server):
     """The overhead table's concurrency rows: at each level, the same clients and workloads
     with and without their JSON schemas (serving defaults), arms adjacent and alternating."""
-    rounds = 1 if QUICK else 2
+    rounds = results.size(1, 2)
 
     def run_all() -> None:
-        for c in LEVELS:
+        for c in SIDE_LEVELS:
             ratios = []
             for r in range(rounds):
-                got = {s: load(server.client(), c, PASSES, s)[0]
+                got = {s: load(server.client(), c, s)[0]
                        for s in ((True, False) if (r + c) % 2 == 0 else (False, True))}
                 ratios.append(got[True] / got[False])
             results.add(f"constrained_over_unconstrained_c{c}", statistics.median(ratios),
-                        "ratio", f"{c} clients x {N_CASES * PASSES} requests per arm, "
+                        "ratio", f"{c} clients x {PER_CLIENT} requests per arm, "
                         f"structured vs not, serving defaults, median of {rounds} adjacent "
                         f"pairs; nproc {os.cpu_count()}")
 
@@ -174,7 +181,7 @@ def test_constrained_over_unconstrained_by_concurrency(benchmark, server):
 def test_batched_spec_over_batched_plain_c8(benchmark, server):
     """Speculation still pays under load: 8 clients, structured, the serving defaults vs
     the same requests decoded plainly (num_draft_tokens 0), arms interleaved."""
-    rounds = 2 if QUICK else 3
+    rounds = results.size(2, 3)
 
     def run_all() -> None:
         ratios = []
@@ -182,10 +189,10 @@ def test_batched_spec_over_batched_plain_c8(benchmark, server):
             arms = [("spec", None), ("plain", {"num_draft_tokens": 0})]
             got = {}
             for name, extra in (arms if r % 2 == 0 else arms[::-1]):
-                got[name] = load(server.client(), 8, PASSES, True, extra)[0]
+                got[name] = load(server.client(), 8, True, extra)[0]
             ratios.append(got["spec"] / got["plain"])
         results.add("batched_spec_over_batched_plain_c8", statistics.median(ratios), "x",
-                    f"8 clients, structured, {8 * N_CASES * PASSES} requests per arm, median of "
+                    f"8 clients, structured, {8 * PER_CLIENT} requests per arm, median of "
                     f"{rounds} interleaved rounds")
 
     benchmark.pedantic(run_all, rounds=1, iterations=1)
@@ -196,13 +203,13 @@ def test_ours_constrained_over_mlxlm_unconstrained_c8(benchmark, server, engine)
     the same converted model and prompts, against ours constrained, interleaved."""
     peer = MlxLmServer(str(engine.target.path))
     warm(peer.client(), model=str(engine.target.path), kinds=(False,))
-    rounds = 2 if QUICK else 3
+    rounds = results.size(2, 3)
     try:
         def run_all() -> None:
             ratios, peer_tok_s = [], []
             for r in range(rounds):
-                arms = [("ours", lambda: load(server.client(), 8, PASSES, True)),
-                        ("peer", lambda: load(peer.client(), 8, PASSES, False,
+                arms = [("ours", lambda: load(server.client(), 8, True)),
+                        ("peer", lambda: load(peer.client(), 8, False,
                                               model=str(engine.target.path)))]
                 got = {name: f()[0] for name, f in (arms if r % 2 == 0 else arms[::-1])}
                 ratios.append(got["ours"] / got["peer"])
@@ -226,17 +233,17 @@ def test_draft_left_out_under_load_c8(benchmark, server):
     keeps it in every round (--draft-max-batch none), arms interleaved."""
     kept = Server("--max-batch", str(MAX_BATCH), "--draft-max-batch", "none")
     warm(kept.client())
-    rounds = 2 if QUICK else 3
+    rounds = results.size(2, 3)
     try:
         def run_all() -> None:
             ratios = []
             for r in range(rounds):
                 arms = [("default", server), ("kept", kept)]
-                got = {name: load(s.client(), 8, PASSES, True)[0]
+                got = {name: load(s.client(), 8, True)[0]
                        for name, s in (arms if r % 2 == 0 else arms[::-1])}
                 ratios.append(got["default"] / got["kept"])
             results.add("draft_left_out_over_kept_c8", statistics.median(ratios), "x",
-                        f"8 clients, structured, {8 * N_CASES * PASSES} requests per arm, "
+                        f"8 clients, structured, {8 * PER_CLIENT} requests per arm, "
                         f"median of {rounds} interleaved rounds; default --draft-max-batch "
                         "against none")
 
@@ -251,7 +258,7 @@ def test_tree_over_chain_serving(benchmark, server):
     answer compared with the same workload's from the other arm."""
     chain = Server("--max-batch", str(MAX_BATCH), "--tree", "0")
     warm(chain.client())
-    rounds = 2 if QUICK else 3
+    rounds = results.size(2, 3)
     try:
         def run_all() -> None:
             for c in (1, 8):
@@ -261,7 +268,7 @@ def test_tree_over_chain_serving(benchmark, server):
                     got, texts = {}, {}
                     for name, s in (arms if r % 2 == 0 else arms[::-1]):
                         texts[name] = []
-                        got[name] = load(s.client(), c, PASSES, True, answers=texts[name])[0]
+                        got[name] = load(s.client(), c, True, answers=texts[name])[0]
                     ratios.append(got["tree"] / got["chain"])
                     a, b = sorted(texts["tree"]), sorted(texts["chain"])
                     differ += sum(x != y for x, y in zip(a, b))
@@ -269,7 +276,7 @@ def test_tree_over_chain_serving(benchmark, server):
                 # On a BLAS that is not batch-invariant, rows batched differently may flip a
                 # near-tie (the exactness suite checks equality on the reference BLAS).
                 results.add(f"serving_tree_over_chain_c{c}", statistics.median(ratios), "x",
-                            f"{c} clients, structured, {c * N_CASES * PASSES} requests per arm, "
+                            f"{c} clients, structured, {c * PER_CLIENT} requests per arm, "
                             f"median of {rounds} interleaved rounds; serving defaults with "
                             f"--tree 4 against --tree 0; answers differing between the arms: "
                             f"{differ} of {total}")

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from bench import results
-from bench.harness import arm, interleaved, paired_ratio, workload_items
+from bench.harness import arm, budgets_note, interleaved, paired_ratio, workload_items
 from bench.workloads import CASES
 from specdec.speculative import SpecConfig
 
@@ -39,7 +39,8 @@ def test_speculative_arms(benchmark, self_engine):
                              iterations=1)
     su, sc = res["spec_unconstrained"], res["spec_constrained"]
     off, pc = res["spec_constrained_unmasked"], res["plain_constrained_in_spec_run"]
-    note = f"draft = target, k={K}; {ROUNDS} rounds x {len(items)} prompts"
+    note = (f"draft = target, k={K}; {ROUNDS} rounds x {len(items)} prompts; "
+            f"{budgets_note(items, MAX_TOKENS)}")
     for name, r in res.items():
         results.add(f"{name}_tok_s", r.median_tok_s, "tok/s", note)
     results.add("spec_constrained_over_unconstrained", paired_ratio(sc, su), "ratio", note)
@@ -62,7 +63,8 @@ def test_forced_drafting_and_k_sweep(benchmark, self_engine):
     arms["k4_no_forced"] = arm(True, SpecConfig(4, forced_drafting=False))
     res = benchmark.pedantic(lambda: interleaved(self_engine, items, arms, ROUNDS), rounds=1,
                              iterations=1)
-    note = f"draft = target, constrained; {ROUNDS} rounds x {len(items)} prompts"
+    note = (f"draft = target, constrained; {ROUNDS} rounds x {len(items)} prompts; "
+            f"{budgets_note(items, MAX_TOKENS)}")
     for k in ks:
         r = res[f"k{k}"]
         results.add(f"spec_constrained_k{k}_tok_s", r.median_tok_s, "tok/s", note)

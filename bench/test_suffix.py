@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 
 from bench import results
-from bench.harness import (Arm, checked_arm, interleaved, paired_ratio, plain_answers,
-                           workload_items)
+from bench.harness import (Arm, budgets_note, checked_arm, interleaved, paired_ratio,
+                           plain_answers, workload_items)
 from bench.workloads import REPEATED
 from specdec.lookup import SuffixStore
 from specdec.speculative import SpecConfig
 
 K = 4
+MAX_TOKENS = 64
 # the shipped defaults' chain (`SpecConfig.serving()` without earlier answers and trees)
 SERVING = dataclasses.replace(SpecConfig.serving(), suffix=False, tree=0)
 
@@ -39,7 +40,7 @@ def test_suffix_over_lookup_repeated_schema(benchmark, engine):
 
     e = Engine(engine.target, specdec.load("default-draft"), SERVING)
     e.suffixes = SuffixStore()
-    items = workload_items(e, REPEATED, 64)
+    items = workload_items(e, REPEATED, MAX_TOKENS)
     want = plain_answers(e, items)
 
     suffix = dataclasses.replace(SERVING, suffix=True)
@@ -52,7 +53,7 @@ def test_suffix_over_lookup_repeated_schema(benchmark, engine):
                              iterations=1)
     note = (f"{len(items)} tickets, one schema, serving defaults (distilled draft k={K}, "
             f"gated p=0.3, lookup) with/without suffix proposals; {rounds} rounds; every "
-            "answer equal to plain decoding's")
+            f"answer equal to plain decoding's; {budgets_note(items, MAX_TOKENS)}")
     su, lo = res["suffix"], res["lookup"]
     results.add("suffix_over_lookup_repeated_schema", paired_ratio(su, lo), "ratio", note)
     results.add("suffix_tree_over_suffix_repeated_schema", paired_ratio(res["suffix_tree"], su),

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bench import results
-from bench.harness import (checked_arm, interleaved, paired_ratio, plain_answers,
+from bench.harness import (budgets_note, checked_arm, interleaved, paired_ratio, plain_answers,
                            workload_items)
 from bench.workloads import CASES, EXTRACTION
 from specdec.speculative import SpecConfig
@@ -44,7 +44,7 @@ def test_tree_over_chain_c1(benchmark, distilled):
                              iterations=1)
     note = (f"{len(items)} prompts x {rounds} rounds, one request at a time; serving defaults "
             f"(distilled draft k={K}, gated p=0.3, lookup), tree={TREE.tree}; every answer "
-            "equal to plain decoding's")
+            f"equal to plain decoding's; {budgets_note(items, MAX_TOKENS)}")
     ch, tr = res["chain"], res["tree"]
     results.add("tree_over_chain_c1", paired_ratio(tr, ch), "ratio", note)
     results.add("tree_pinned_over_chain_c1", paired_ratio(res["tree_pinned"], ch), "ratio",
@@ -63,8 +63,8 @@ def _batch(e, items, spec) -> tuple[list[list[int]], float]:
     seconds)."""
     from specdec.core import prefill, run_round
 
-    states = [e.new_state(e.prepare(ids, constraint=c, max_tokens=n, spec=spec))
-              for ids, c, n in items]
+    states = [e.new_state(e.prepare(i.ids, constraint=i.constraint, max_tokens=i.budget,
+                                    spec=spec)) for i in items]
     for s in states:
         prefill(e.models, s)
     outs = [[] for _ in states]
@@ -106,4 +106,5 @@ def test_tree_over_chain_c8(benchmark, distilled):
                 f"8 requests in one batch of rounds, median of {pairs} adjacent pairs (order "
                 f"alternating); draft-max-batch {e.draft_max_batch}: a batch past it verifies "
                 f"chains; answers differing from the plain batch's: {differ} of "
-                f"{2 * pairs * len(items)} (near-ties on a BLAS that is not batch-invariant)")
+                f"{2 * pairs * len(items)} (near-ties on a BLAS that is not batch-invariant); "
+                f"{budgets_note(items, MAX_TOKENS)}")
