@@ -43,14 +43,17 @@ nothing checked while `left - 1 >= minimum + 64`. A token's proof within `n`: an
 token: `[]` where the grammar may end; else, from `known` (the proof of the previous
 position's token; none at the first check), its rest where the token is its first; else
 `known` where the grammar takes the token, then `known`, and may end; else, where the
-token's bytes begin `known`'s text before its first special token, the tokenizer's tokens
+token (with text) has bytes that begin `known`'s text before its first special token, the
+tokenizer's tokens
 for the rest of that text, then `known` from the special token on, where the grammar
 takes the token, then that, and may end; else the closing after the token; each with at
 most `n` tokens. `t` stands with a proof within `left - 1`; else, where a closing from
 here fits `left` (`known` if it fits, else the closing), the first of the 8 best-scoring
 tokens (score descending, then id, finite) with such a proof, else the closing's first
 token (the lowest end id where it is empty; its rest the proof); else `t` stands. The
-taken token's proof becomes `known` (none where nothing was proved).
+taken token's proof becomes `known` (none where nothing was proved). A check's walk does
+not search again from a signature where an earlier check's search found nothing (the
+minimum's walk at the start neither reads nor notes these).
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ class BudgetOracle:
     known: list[int] | None = None
     tokenizer: Any = None  # llguidance's, to write a closing anew (None: never)
     searches: int = 0  # searches its walks made (a test can see the search ran)
+    gave_up: set = field(default_factory=set)  # where its checks' searches found nothing
 
     def __post_init__(self) -> None:
         self.candidates, self.rank, self.search_order = _orders(self.token_bytes)
@@ -313,12 +317,14 @@ class BudgetOracle:
         """The closing within `limit` tokens from `matcher`'s state (left as it is), the
         level reader at `state` after output `before`; `forced`: the end marker's tokens
         forced so far. None: no closing, or a longer one."""
-        found = self.closing(matcher, state, before, forced)
+        found = self.closing(matcher, state, before, forced, remember=True)
         return found if found is not None and len(found) <= limit else None
 
     def closing(self, matcher: LLMatcher, state: Nest, before: Sequence[int] = (),
-                forced: int = 0) -> list[int] | None:
-        """The closing walk (at most `NEED_LIMIT` tokens, written anew); None: none."""
+                forced: int = 0, remember: bool = False) -> list[int] | None:
+        """The closing walk (at most `NEED_LIMIT` tokens, written anew); None: none.
+        `remember`: a check's walk (it skips the searches from signatures where an earlier
+        check's search found nothing, and notes its own)."""
         at = _At(matcher.deep_copy(), state, list(before), forced)
         taken: list[int] = []
         seen: dict[tuple, list] = {}  # signature -> [times met, where first, the state]
@@ -370,8 +376,12 @@ class BudgetOracle:
             _, first, there = seen[stall]
             # (a search that gave up found nothing: "a long count, such as `minItems:
             # 500`, is walked to its end", which only a search giving up leaves)
-            found, _ = self._search(there, NEED_LIMIT - first)
-            self.searches += 1
+            found = None
+            if not (remember and stall in self.gave_up):
+                found, _ = self._search(there, NEED_LIMIT - first)
+                self.searches += 1
+                if found is None and remember:
+                    self.gave_up.add(stall)
             if found is not None:
                 taken = taken[:first] + found.path
                 at, seen, last = found, {}, None

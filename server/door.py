@@ -654,17 +654,21 @@ def request_headers(request: Request) -> dict[str, str]:
     naming why."""
     out = warning_header(request.warnings)
     if request.unguaranteed:
-        out["specdec-budget-unguaranteed"] = json.dumps(request.unguaranteed)[1:-1][:500]
+        out["specdec-budget-unguaranteed"] = header_text(request.unguaranteed, 500)
     return out
+
+
+def header_text(text: str, limit: int) -> str:
+    """`text` for a header value: JSON string escapes keep it printable ASCII (no newline,
+    no non-Latin-1 character, quotes escaped), at most `limit` characters and an ellipsis
+    (never half an escape)."""
+    out = json.dumps(text)[1:-1]
+    return out if len(out) <= limit else out[:limit].rstrip("\\") + "..."
 
 
 def warning_header(warnings: tuple[str, ...], limit: int = 2000) -> dict[str, str]:
     """An RFC 9111 `Warning` header from warning texts that may hold user text (a schema's
-    format name): JSON string escapes keep it printable ASCII (no newline, no non-Latin-1
-    character, quotes escaped), bounded in length; the full texts are in the body."""
+    format name), bounded in length (`header_text`); the full texts are in the body."""
     if not warnings:
         return {}
-    text = json.dumps("; ".join(warnings))[1:-1]
-    if len(text) > limit:
-        text = text[:limit].rstrip("\\") + "..."
-    return {"Warning": f'199 specdec "{text}"'}
+    return {"Warning": f'199 specdec "{header_text("; ".join(warnings), limit)}"'}

@@ -96,7 +96,10 @@ it, and may end; else the closing from the state after the token, within `n`. Th
     only) with a proof within `left - 1`, or else that closing's first token (its rest
     the proof; where the grammar may end already, the lowest end-of-output id);
   - else (no closing within `left`: the document cannot be completed) `t` stands.
-The proof of the token the position takes becomes `known`.
+The proof of the token the position takes becomes `known` (none where `t` stands without
+one). The rule also remembers the signatures from which a search of its checks found
+nothing: a later check's walk that stalls at one of them goes on at once as if its search
+had found nothing (the minimum's walk, at the start, remembers nothing).
 A position where the rule changed the pick is *steered*; a request with a steered position
 ends with finish "length" (the budget forced its close), its document complete.
 
@@ -106,8 +109,9 @@ more than `MINIMUM_S` spent finding it) is served without the rule, and says so
 
 The closing's work counts in the request's grammar budget (`config.MaskBudget`, `Spend`):
 a fill slower than its `mask_s`, or the rule's work in all past what is left of its
-`total_s`, stops the request (`Overspent`, a `GrammarTooComplex` to the client), as any
-other fill would; the minimum's
+`total_s`, stops the request (`Overspent`, a `GrammarTooComplex` to the client), and one
+slower than `slow_s` has it decode plainly from then on, as any other fill would (a sharded
+target's ranks leave that to rank 0's decisions); the minimum's
 search at preparation has `MINIMUM_S` seconds, past which the rule is off for the request
 (`budget_unguaranteed`).
 
@@ -336,9 +340,7 @@ def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
     with (longest first, the empty one last), its next token where the grammar takes the
     hint's rest and then leaves free text (allows at most `FEW` tokens)."""
     for h in hints:
-        for k in range(len(h) - 1, -1, -1):
-            if k and tuple(tail[-k:]) != tuple(h[:k]):
-                continue
+        for k in _starts(tail, h):
             m = matcher.deep_copy()
             if not all(m.consume_token(int(t)) for t in h[k:]) or m.is_error():
                 continue
@@ -348,41 +350,46 @@ def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
     return None
 
 
+def _starts(tail: Sequence[TokenId], hint: Sequence[TokenId]) -> Iterator[int]:
+    """The lengths of the starts of `hint` (not all of it) that `tail` ends with, longest
+    first, then 0 (the empty start)."""
+    for k in range(len(hint) - 1, 0, -1):
+        if tuple(tail[-k:]) == tuple(hint[:k]):
+            yield k
+    yield 0
+
+
 def _signature(mask: np.ndarray, at: Place, hints: Sequence[Sequence[TokenId]]) -> tuple:
     """What the walk and the search tell grammar states apart by: the mask there, the level
     reader's state and, for each hint, the longest start of it the output ends with."""
-    begun = tuple(next((k for k in range(len(h) - 1, 0, -1)
-                        if tuple(at.tail[-k:]) == tuple(h[:k])), 0) for h in hints)
+    begun = tuple(next(_starts(at.tail, h)) for h in hints)
     return (np.packbits(mask).tobytes(), at.nesting, begun)
 
 
 def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
-            hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None
-            ) -> list[TokenId] | None:
+            hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None,
+            gave_up: set[tuple] | None = None) -> list[TokenId] | None:
     """The closing from `matcher`'s state (on a copy) and `at`: the greedy walk, or where it
     stalls, the walk up to the loop it stalled in and the search from there (within
     `NEED_LIMIT` tokens), written anew; None when it is not found or has more than `limit`
     tokens (see the module docstring), and then why is appended to `why`. `hints`: token
-    sequences that end free text in this grammar (a tool format's raw value end)."""
-    def fail(reason: str) -> None:
-        if why is not None:
-            why.append(reason)
-
-    found = _closing(matcher, order, at, hints, why)
+    sequences that end free text in this grammar (a tool format's raw value end).
+    `gave_up`: the signatures whose search found nothing in earlier closings of the same
+    rule (not searched again; a search that finds nothing adds its own)."""
+    found, reasons = _closing(matcher, order, at, hints, gave_up)
     if found is not None and len(found) > limit:
-        return fail(f"no closing within {limit} tokens (its closing takes {len(found)})")
+        found, reasons = None, [f"no closing within {limit} tokens (its closing takes "
+                                f"{len(found)})"]
+    if found is None and why is not None:
+        why += reasons
     return found
 
 
 def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[TokenId]],
-             why: list[str] | None) -> list[TokenId] | None:
-    """The closing within `NEED_LIMIT` tokens (`closing`), written anew."""
-    def fail(reason: str) -> None:
-        if why is not None:
-            why.append(reason)
-
+             gave_up: set[tuple] | None) -> tuple[list[TokenId] | None, list[str]]:
+    """The closing within `NEED_LIMIT` tokens (`closing`), written anew, or None and why."""
     limit = NEED_LIMIT
-    keep = max((len(h) for h in hints), default=0)
+    keep = _keep(hints)
     m = matcher.deep_copy()
     reasons = hasattr(m, "close_now")
     if reasons:
@@ -394,50 +401,48 @@ def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[T
     seen: dict[tuple, list[int]] = {}
     last: tuple | None = None
     stalls = True  # whether a stall searches (not after a search that found nothing)
+    tried: list[str] = []  # what the searches that found nothing said
     while not m.is_accepting():
         _step()
         stalled = False
         if len(out) >= limit or m.is_error():
             stalled = True
         else:
-            due = m.forcing() if reasons else None
-            forced = [due] if due is not None else m.compute_ff_tokens()
-            if forced:
-                t = int(forced[0])
+            forced = _forced(m, reasons)
+            if forced is not None:
+                t = forced
             else:
                 ok = _allowed(m, order.vocab_size)
-                if ok is None or not ok.any():
-                    return fail("the closing walk reached a state where the grammar allows "
-                                "no token")
-                last = _signature(ok, at, hints)
-                met = seen.setdefault(last, [len(out), 0])
-                met[1] += 1
-                stalled = stalls and met[1] >= REPEAT
-                if not stalled:
-                    t = _greedy_step(m, ok, order, hints, at)
+                if ok is not None and not ok.any():
+                    return None, ["the closing walk reached a state where the grammar allows "
+                                  "no token"]
+                if ok is None:  # the grammar erred: a stall
+                    stalled = True
+                else:
+                    last = _signature(ok, at, hints)
+                    met = seen.setdefault(last, [len(out), 0])
+                    met[1] += 1
+                    stalled = stalls and met[1] >= REPEAT
+                    if not stalled:
+                        t = _greedy_step(m, ok, order, hints, at)
         if stalled:
             if not stalls or last is None or seen[last][1] < 2:  # no loop, or no way on
-                return fail(f"no closing within {limit} tokens" if len(out) >= limit else
-                            "the closing walk ran into a grammar error")
+                return None, tried + [f"no closing within {limit} tokens" if len(out) >= limit
+                                      else "the closing walk ran into a grammar error"]
             # search from where the walk first met the state it kept coming back to, until
             # it may end or leaves that state's level; then walk on from there
             i = seen[last][0]
             start = len(out) - len(places) + 1
-            m = base.deep_copy()
-            for t in out[start:i]:
-                m.consume_token(t)
-            at = places[i - start]
-            tried: list[str] = []
-            part = search(m, order, limit - i, at, hints, below=at.nesting.level, why=tried)
+            part = None
+            if gave_up is None or last not in gave_up:
+                m = _replayed(base, out[start:i])
+                at = places[i - start]
+                part = search(m, order, limit - i, at, hints, below=at.nesting.level,
+                              why=tried)
+                if part is None and gave_up is not None:
+                    gave_up.add(last)
             if part is None:  # the walk goes on from where it stalled, as if it had not
-                if why is not None:
-                    why += tried
-                m = base.deep_copy()
-                for t in out[start:]:
-                    m.consume_token(t)
-                at, stalls = places[-1], False
-                if len(out) >= limit or m.is_error():
-                    return fail(f"no closing within {limit} tokens")
+                m, at, stalls = _replayed(base, out[start:]), places[-1], False
                 continue
             for t in part:
                 m.consume_token(t)
@@ -450,14 +455,37 @@ def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[T
         at = at.after(order, t, keep, ended_reasoning(m))
         out.append(t)
         places.append(at)
-    return _anew(matcher, order, out)
+    return _anew(matcher, order, out), []
+
+
+def _keep(hints: Sequence[Sequence[TokenId]]) -> int:
+    """How many of the output's last tokens a place keeps: as many as the longest hint."""
+    return max((len(h) for h in hints), default=0)
+
+
+def _forced(m, reasons: bool) -> TokenId | None:
+    """The token steps 0 and 1 force at `m`'s state (the reasoning's end marker where
+    `reasons`, else the grammar's first forced token), or None."""
+    due = m.forcing() if reasons else None
+    if due is not None:
+        return int(due)
+    ff = m.compute_ff_tokens()
+    return int(ff[0]) if ff else None
+
+
+def _replayed(base, tokens: Sequence[TokenId]):
+    """A copy of `base` that took `tokens`."""
+    m = base.deep_copy()
+    for t in tokens:
+        m.consume_token(t)
+    return m
 
 
 def _anew(matcher, order: ClosingOrder, path: list[TokenId]) -> list[TokenId]:
     """`path` written anew where that is shorter: each run of its tokens between special
     tokens replaced by the tokenizer's own tokens for its bytes, where the grammar takes
     the result from `matcher`'s state and may end after it (see the module docstring)."""
-    if order.tokenize is None or len(path) < 2:
+    if order.tokenize is None or not path:
         return path
     out: list[TokenId] = []
     run: list[TokenId] = []
@@ -466,14 +494,13 @@ def _anew(matcher, order: ClosingOrder, path: list[TokenId]) -> list[TokenId]:
             run.append(t)
             continue
         if run:
-            out += order.tokenize(b"".join(order.bytes_of(u) for u in run)) if len(run) > 1 \
-                else run
+            out += order.tokenize(b"".join(order.bytes_of(u) for u in run))
             run = []
         if t is not None:
             out.append(t)
     if len(out) >= len(path):
         return path
-    m = matcher.deep_copy()
+    m = matcher.deep_copy()  # (the grammar's check: a thinking matcher forces nothing here)
     for t in out:
         if not m.consume_token(t) or m.is_error():
             return path
@@ -514,7 +541,7 @@ class _Node:
     matcher: Any
     at: Place
     path: list[TokenId]
-    mask: np.ndarray | None  # None: not filled (the grammar may end here, or it forces)
+    mask: np.ndarray | None  # None: the search's start (not filled yet)
     sig: tuple | None
 
 
@@ -527,7 +554,7 @@ def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
     more than `probes` (default `PROBES`) states made, and then why is appended to `why`.
     See the module docstring."""
     probes = PROBES if probes is None else probes
-    keep = max((len(h) for h in hints), default=0)
+    keep = _keep(hints)
     reasons = hasattr(matcher, "close_now")
     frontier = [_Node(matcher.deep_copy(), at, [], None, None)]
     reps: dict[tuple, list[TokenId]] = {}  # signature -> the tokens its first expansion kept
@@ -547,29 +574,24 @@ def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
         kept: set[tuple] = set()
         for node in frontier:
             m = node.matcher
-            due = m.forcing() if reasons else None
-            forced = [due] if due is not None else m.compute_ff_tokens()
+            forced = _forced(m, reasons)
             mine: dict[tuple, TokenId] | None = None
-            if forced:
-                tokens = [int(forced[0])]
+            if forced is not None:
+                tokens = [forced]
             elif node.sig in reps:
                 tokens = reps[node.sig]
             else:
                 ok = node.mask if node.mask is not None else _allowed(m, order.vocab_size)
                 if ok is None:
                     continue
-                tokens = [int(i) for i in alphabet if ok[i]]
+                tokens = alphabet[ok[alphabet]].tolist()
                 if ok.sum() <= FEW:
                     listed = set(tokens)
                     tokens += [int(i) for i in np.flatnonzero(ok) if int(i) not in listed]
                 for h in hints:
-                    for k in range(len(h) - 1, -1, -1):
-                        if k and tuple(node.at.tail[-k:]) != tuple(h[:k]):
-                            continue
-                        t = int(h[k])
-                        if ok[t] and t not in tokens:
-                            tokens.append(t)
-                        break
+                    t = int(h[next(_starts(node.at.tail, h))])
+                    if ok[t] and t not in tokens:
+                        tokens.append(t)
                 mine = {}
             for t in tokens:
                 _step()
@@ -635,12 +657,13 @@ def _rest(order: ClosingOrder, token: TokenId, known: Sequence[TokenId]
 
 def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
                   eos: frozenset[int], at: Place, hints: Sequence[Sequence[TokenId]] = (),
-                  known: Sequence[TokenId] | None = None) -> list[TokenId] | None:
+                  known: Sequence[TokenId] | None = None, gave_up: set[tuple] | None = None
+                  ) -> list[TokenId] | None:
     """A closing of at most `left` tokens from the state after `token`: from `known` (a
     closing from the matcher's state: the rule's last proved one), its rest where `token`
     is its first, or itself where it replays from there, or its bytes after `token`'s
     (`_rest`) where they replay; else the closing (`closing`); None: none of these. An end
-    token: `[]` where the grammar may end here."""
+    token: `[]` where the grammar may end here. `gave_up`: as `closing`'s."""
     if token in eos:
         return [] if matcher.is_accepting() else None
     if known:
@@ -654,16 +677,18 @@ def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
     m = matcher.deep_copy()
     if not m.consume_token(token) or m.is_error():
         return None
-    keep = max((len(h) for h in hints), default=0)
-    return closing(m, order, left, at.after(order, token, keep, ended_reasoning(m)), hints)
+    keep = _keep(hints)
+    return closing(m, order, left, at.after(order, token, keep, ended_reasoning(m)), hints,
+                   gave_up=gave_up)
 
 
 @dataclass(frozen=True)
 class Closing:
-    """What a prepared request's rule needs: its tokenizer's closing order and the need at
-    its start (its minimum budget)."""
+    """What a prepared request's rule needs: its tokenizer's closing order (None in a
+    sharded target's replica of it: `distributed.for_replicas`) and the need at its start
+    (its minimum budget)."""
 
-    order: ClosingOrder
+    order: ClosingOrder | None
     minimum: int
     hints: tuple[tuple[TokenId, ...], ...] = ()
 
@@ -673,7 +698,7 @@ class BudgetRule:
     """One request's rule (see the module docstring): its closing order, its budget and
     minimum; `steered` counts the positions it changed; `known` is the closing the rule
     proved for the token it took last (from the state after it), None before its first
-    check."""
+    check; `gave_up` the signatures from which its searches found nothing."""
 
     order: ClosingOrder
     max_tokens: int
@@ -683,10 +708,11 @@ class BudgetRule:
     steered: int = 0
     place: Place = Place()  # after the output so far
     known: list[TokenId] | None = None
+    gave_up: set[tuple] = field(default_factory=set)  # signatures its searches left
 
     @property
     def keep(self) -> int:
-        return max((len(h) for h in self.hints), default=0)
+        return _keep(self.hints)
 
     def advance(self, token: TokenId, at: Place | None = None, matcher=None) -> Place:
         """The place after `token` from `at` (default: the output's; then the output took
@@ -718,13 +744,14 @@ class BudgetRule:
         if not self.active(emitted):
             return pick
         proof = closing_after(matcher, pick, self.order, left - 1, self.eos, at, self.hints,
-                              self.known)
+                              self.known, self.gave_up)
         if proof is not None:
             self.known = proof
             return pick
         here = self.known if self.known is not None and len(self.known) <= left else \
-            closing(matcher, self.order, left, at, self.hints)
+            closing(matcher, self.order, left, at, self.hints, gave_up=self.gave_up)
         if here is None:
+            self.known = None
             return pick  # no closing within the budget: as it is
         # the closing's first token; where the grammar may end here, the first end token
         chosen, proof = (here[0], here[1:]) if here else (min(self.eos), [])
@@ -732,7 +759,7 @@ class BudgetRule:
             if t == pick:
                 continue
             got = closing_after(matcher, t, self.order, left - 1, self.eos, at, self.hints,
-                                self.known)
+                                self.known, self.gave_up)
             if got is not None:
                 chosen, proof = int(t), got
                 break

@@ -232,6 +232,7 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     s.bias = bias_vector(params, models.vocab_size)
     s.logprobs = req.logprobs
     if matcher is not None and req.closing is not None:
+        assert req.closing.order is not None, "a replica's request: Engine.new_state builds it"
         s.budget = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, s.eos,
                               req.closing.hints)
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
@@ -727,7 +728,9 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBu
     steered: dict[int, float] = {}  # emitted index -> its logprob, where the budget steered
     if v.scores is not None:
         t0 = time.perf_counter()
-        spend = Spend(t0 + max(0.0, masks.total_s - s.stats.mask_s), masks.mask_s)
+        # (a sharded target's ranks use no clock here: rank 0's decisions stop the request)
+        spend = (Spend(t0 + max(0.0, masks.total_s - s.stats.mask_s), masks.mask_s)
+                 if masks.in_round else Spend())
         try:
             with spending(spend):
                 at = _steer(s, out, rows, v.scores)

@@ -89,8 +89,11 @@ class Channel:
 
 
 def for_replicas(request: Any) -> Any:
-    """A request as replicas receive it: without its compiled grammar (they compile it)."""
-    return replace(request, grammar=None)
+    """A request as replicas receive it: without its compiled grammar and its budget rule's
+    closing order (they compile and build them: `Engine.new_state`)."""
+    closing = request.closing
+    return replace(request, grammar=None,
+                   closing=None if closing is None else replace(closing, order=None))
 
 
 def follow(engine: Any, channel: Channel, max_batch: int, chunk: int = 512) -> int:

@@ -374,6 +374,9 @@ class Engine:
 
     def new_state(self, req: Request) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
+        if req.closing is not None and req.closing.order is None:  # a replica's request
+            req = dataclasses.replace(req, closing=dataclasses.replace(
+                req.closing, order=self.compiler.closing_order(self.target.vocab_size)))
         return new_state(self.models, req, self.target.eos_token_ids,
                          matcher=self.matcher(req), suffixes=self.suffixes,
                          suffix_key=(grammar_key(req.grammar.text)

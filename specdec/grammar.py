@@ -385,9 +385,9 @@ class GrammarCompiler:
         try:
             with spending(Spend(deadline=time.perf_counter() + MINIMUM_S)):
                 n = need(matcher, self.closing_order(vocab_size), hints=hints, why=why)
-        except Overspent:
-            n, why = None, [f"finding the closing took over {MINIMUM_S:g}s"]
-        got = (n, "; ".join(why))
+        except Overspent:  # (the clock's answer: not kept, a later request tries again)
+            return None, f"finding the closing took over {MINIMUM_S:g}s"
+        got = (n, "; ".join(why) or "no closing found")
         if plain:
             with self._lock:
                 grammar._needs[key] = got
