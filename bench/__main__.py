@@ -33,6 +33,9 @@ REQUIRED = (
     "budget_on_over_off", "budget_closing_p50_ms", "budget_closing_p99_ms",
     "models_ttft_cold_s", "models_ttft_loaded_s", "models_tok_s_each_alone",
     "models_tok_s_two_together", "gguf_q4_over_float32_decode",
+    "budget_search_minimum_ms_p50", "budget_search_minimum_ms_p99",
+    "budget_search_closing_ms_p50", "budget_search_closing_ms_p99", "budget_rule_share_c1",
+    "budget_rule_share_c8", "budget_rule_on_over_off_c1", "budget_rule_on_over_off_c8",
 )
 
 
