@@ -37,6 +37,16 @@ def pytest_runtest_call(item):
     return out
 
 
+@pytest.fixture(scope="module")
+def served():
+    """The engine `specdec serve` runs: the shipped settings and draft."""
+    from specdec.engine import Engine
+
+    e = Engine.load()
+    yield e
+    e.close()
+
+
 def pytest_terminal_summary(terminalreporter):
     out = os.environ.get("SPECDEC_BENCH_OUT")
     if out:

@@ -14,23 +14,12 @@ import statistics
 import time
 
 import numpy as np
-import pytest
 
 from bench import results
 from bench.workloads import CASES
 from specdec.grammar import Constraint
 
 ASK = "Describe it in detail, filling every field generously."
-
-
-@pytest.fixture(scope="module")
-def served():
-    """The engine `specdec serve` runs: the shipped settings and draft."""
-    from specdec.engine import Engine
-
-    e = Engine.load()
-    yield e
-    e.close()
 
 
 def test_budget_on_over_off_and_the_closing_cost(benchmark, served):

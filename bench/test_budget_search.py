@@ -19,7 +19,6 @@ import statistics
 import time
 
 import numpy as np
-import pytest
 
 from bench import results
 from bench.workloads import CASES, CLOSING_KINDS
@@ -30,16 +29,6 @@ from specdec.request import GenerateRequest, Message
 LEVELS = (1, 8, 16)
 ROOM = 4  # a batch's budgets: each answer's own length and this many tokens
 USER = "Fill in this record with realistic values, as JSON."
-
-
-@pytest.fixture(scope="module")
-def served():
-    """The engine `specdec serve` runs: the shipped settings and draft."""
-    from specdec.engine import Engine
-
-    e = Engine.load()
-    yield e
-    e.close()
 
 
 def _ms(values: list[float]) -> tuple[float, float]:

@@ -172,3 +172,27 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"proposals accepted, {name}: {acc}/{prop}")
         for line in tally.NOTES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def tool_engines(tmp_path_factory):
+    """Engines over a tiny model of each tool format (`tests.families.TOOL_FORMATS`, and
+    "generic": a ChatML template that renders no calls), the model its own draft, made on
+    first use: `tool_engines(key)`."""
+    from specdec.engine import Engine
+    from specdec.models import load
+    from tests.families import CHATML, make_family, make_tool_family
+
+    root = tmp_path_factory.mktemp("tool-engines")
+    made: dict = {}
+
+    def get(key: str):
+        if key not in made:
+            d = (make_family("qwen2.5", root / key, template=CHATML) if key == "generic"
+                 else make_tool_family(key, root / key))
+            m = load(str(d))
+            made[key] = Engine(m, m)
+        return made[key]
+    yield get
+    for e in made.values():
+        e.close()

@@ -33,12 +33,11 @@ from specdec import blas
 from specdec.budget import Nesting, Place, closing, need
 from specdec.engine import Engine, RequestError
 from specdec.grammar import Constraint
-from specdec.models import load
 from specdec.request import GenerateRequest, Message, Tool
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig, SpecStats
 from tests import tally
-from tests.families import TOOL_FORMATS, make_tool_family
+from tests.families import TOOL_FORMATS
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
 from tests.tiny import plain_steps, spec_steps
 
@@ -299,25 +298,6 @@ OPEN_TOOLS = (
 )
 ASK = (Message("system", "You are terse."), Message("user", "Find the weather in Paris."))
 TOOL_FORMAT_NAMES = sorted(TOOL_FORMATS) + ["generic"]
-
-
-@pytest.fixture(scope="module")
-def tool_engines(tmp_path_factory):
-    from tests.families import CHATML, make_family
-
-    root = tmp_path_factory.mktemp("budget-tools")
-    made: dict[str, Engine] = {}
-
-    def get(key: str) -> Engine:
-        if key not in made:
-            d = (make_family("qwen2.5", root / key, template=CHATML) if key == "generic"
-                 else make_tool_family(key, root / key))
-            m = load(str(d))
-            made[key] = Engine(m, m)
-        return made[key]
-    yield get
-    for e in made.values():
-        e.close()
 
 
 def _oracle(engine: Engine, req) -> tuple[tuple[int, ...], str]:

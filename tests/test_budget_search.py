@@ -351,27 +351,6 @@ CONTACT_TOOL = Tool("add_contact", "Save a contact.", {
     "required": ["who", "met", "note"]})
 
 
-@pytest.fixture(scope="module")
-def tool_engines(tmp_path_factory):
-    from specdec.engine import Engine
-    from specdec.models import load
-    from tests.families import CHATML, make_family, make_tool_family
-
-    root = tmp_path_factory.mktemp("search-tools")
-    made: dict[str, Engine] = {}
-
-    def get(key: str) -> Engine:
-        if key not in made:
-            d = (make_family("qwen2.5", root / key, template=CHATML) if key == "generic"
-                 else make_tool_family(key, root / key))
-            m = load(str(d))
-            made[key] = Engine(m, m)
-        return made[key]
-    yield get
-    for e in made.values():
-        e.close()
-
-
 @pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS) + ["generic"])
 def test_a_forced_call_needing_the_search_is_made_in_every_tool_format(tool_engines, fmt):
     # An email and a date in the arguments (raw element values in the XML formats): at the
