@@ -133,6 +133,7 @@ from typing import Any
 import llguidance.numpy as llnp
 import numpy as np
 
+from .errors import Overspent
 from .types import TokenId
 
 STRUCTURE = frozenset(b'"{}[],: ')
@@ -237,10 +238,6 @@ def order_of(tokenizer, vocab_size: int) -> ClosingOrder:
     n = min(tokenizer.vocab_size, vocab_size)
     return ClosingOrder.of([tokenizer.decode_bytes([i]) for i in range(n)], vocab_size,
                            lambda b: [int(t) for t in tokenizer.tokenize_bytes(b)])
-
-
-class Overspent(Exception):
-    """The closing's grammar work went past its `Spend` (the reason is the message)."""
 
 
 @dataclass

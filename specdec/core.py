@@ -41,14 +41,14 @@ from collections.abc import Generator, Sequence
 
 import llguidance.numpy as llnp
 
-from .budget import BudgetRule, Overspent, Spend, ranked_ids, spending
+from .budget import BudgetRule, Spend, ranked_ids, spending
 from .decode import PREFILL_CHUNK, PromptKVCache, check_matcher, grammar_failure
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex, SuffixStore
 from .sampling import (SamplingParams, apply_mask, bias_vector, pick, pick_scores,
                        position_noise, unpack_bitmask)
 from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, InternalError,
-                     SpecdecError)
+                     Overspent, SpecdecError)
 from .config import MaskBudget
 from .events import TokenLogprob
 from .request import Request
@@ -735,7 +735,7 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBu
             with spending(spend):
                 at = _steer(s, out, rows, v.scores)
         except Overspent as e:
-            s.error = GrammarTooComplex(str(e), position=s.emitted)
+            s.error = GrammarTooComplex(e.reason, position=s.emitted)
             return
         finally:
             took = time.perf_counter() - t0

@@ -234,6 +234,20 @@ class GrammarTooComplex(GrammarRefused):
         self.position = position
 
 
+class Overspent(GrammarTooComplex):
+    """The token budget's closing work went past what the request's grammar budget left
+    (`budget.Spend`): the decode core stops the request with a `GrammarTooComplex` naming
+    its position.
+
+    Attributes:
+        reason: what ran out.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 # -- the scheduler ---------------------------------------------------------------------------
 class QueueFull(UnavailableError):
     """The scheduler's waiting queue is at its bound; retry later."""

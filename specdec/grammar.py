@@ -28,9 +28,9 @@ import llguidance.numpy as llnp
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from tokenizers import Tokenizer
 
-from .budget import MINIMUM_S, ClosingOrder, Overspent, Spend, need, order_of, spending
+from .budget import MINIMUM_S, ClosingOrder, Spend, need, order_of, spending
 from .config import GRAMMAR_CACHE_MB
-from .errors import GrammarError, RequestError  # noqa: F401
+from .errors import GrammarError, Overspent, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
 from .request import Constraint, ConstraintKind
 

@@ -153,7 +153,20 @@ def test_a_grammar_larger_than_the_cache_is_used_not_kept():
 def test_cached_grammar_sizes_sum_to_what_clearing_the_cache_frees():
     """The sizes are measured: a schema's grammar grows with it, a counted regex's lexer
     states (built by the first mask) are counted, and emptying the cache hands back what
-    the sizes say (the heap read before and after, this thread alone allocating)."""
+    the sizes say (the heap read before and after, in a fresh process: no garbage of other
+    tests collected meanwhile, this thread alone allocating)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_grammar import "
+                           "_cached_sizes_and_what_clearing_frees as f; f()"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _cached_sizes_and_what_clearing_frees() -> None:
     compiler = GrammarCompiler(LLTokenizer("byte"), cache_bytes=1 << 30)
     small = compiler.compile(Constraint.json_schema(enum_schema(50))).nbytes
     large = compiler.compile(Constraint.json_schema(enum_schema(5000))).nbytes
