@@ -117,8 +117,8 @@ def _reference(target, compiler, prompt, c: Constraint, params: SamplingParams,
                             top_p=params.top_p, seed=params.seed or 0, budget=rule), rule
 
 
-def _budget_cells(target, compiler, order, prompt, c: Constraint, params: SamplingParams,
-                  cells, tallied: str) -> int:
+def _check_budget_cells(target, compiler, order, prompt, c: Constraint,
+                        params: SamplingParams, cells, tallied: str) -> int:
     """Decode `c` at budgets at, 2 and 7 above its minimum: plain decoding with the rule
     equals the oracle (tokens and finish) and is a complete document; each (name, draft,
     SpecConfig) of `cells` equals plain, with no grammar cut where drafts are masked.
@@ -165,7 +165,7 @@ def test_budget_cells_equal_plain_decoding_and_the_oracle(target, drafts, compil
              ("none+lookup", None, SpecConfig(8, lookup=True)),
              ("soft+tree", drafts["soft"], SpecConfig(4, lookup=True, draft_min_prob=0.3,
                                                       tree=8, tree_min_score=0.02))]
-    _budget_cells(target, compiler, order, prompt,
+    _check_budget_cells(target, compiler, order, prompt,
                   Constraint(case.kind, case.value),  # type: ignore[arg-type]
                   MODES[mode], cells, "tiny")
 
@@ -211,7 +211,7 @@ def test_searched_closings_equal_plain_decoding_and_the_oracle(target, drafts, c
     cells = [("serving", drafts["bad"], SpecConfig.serving()),
              ("soft+tree", drafts["soft"], SpecConfig(4, lookup=True, draft_min_prob=0.3,
                                                       tree=8, tree_min_score=0.02))]
-    searches = _budget_cells(target, compiler, order, prompt,
+    searches = _check_budget_cells(target, compiler, order, prompt,
                              Constraint.json_schema(SEARCHED[kind]), MODES[mode], cells,
                              "tiny searched")
     if kind in STALLING:
