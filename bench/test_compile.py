@@ -13,7 +13,7 @@ from bench import results
 from bench.harness import minimum_budget
 from bench.workloads import CASES
 from specdec.grammar import Constraint
-from specdec.request import DEFAULT_MAX_TOKENS
+from specdec.config import DEFAULT_MAX_TOKENS
 
 # The time-to-first-token requests' budget: what a request that names none gets (each is
 # cancelled at its first token; the engine requires at least the constraint's minimum).

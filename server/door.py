@@ -41,7 +41,8 @@ from specdec.engine import Engine
 from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, RequestError,
                             SpecdecError)
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
-from specdec.request import UNGUARANTEED, GenerateRequest, Request, SpecOverrides
+from specdec.prepare import Request
+from specdec.request import UNGUARANTEED, GenerateRequest, SpecOverrides
 
 from .errors import WireError, bad_request, ref_of
 from .fleet import Fleet, Seat

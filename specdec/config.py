@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .errors import DraftConfigError
-from .request import DEFAULT_MAX_TOKENS
 from .types import MAX_DRAFT_TOKENS
 
 MAX_TREE_NODES = 32
 DEFAULT_MODEL = "default"  # the embedded model (`models.load`)
 DEFAULT_DRAFT = "default-draft"  # its shipped distilled draft
+DEFAULT_MAX_TOKENS = 256  # a request's output tokens where it names none (`EngineDefaults`)
 GRAMMAR_CACHE_MB = 256  # compiled grammars kept per model (`EngineConfig.grammar_cache_mb`)
 
 

@@ -51,7 +51,7 @@ from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, Inter
                      Overspent, SpecdecError)
 from .config import MaskBudget
 from .events import TokenLogprob
-from .request import Request
+from .prepare import Request
 from .types import DecodeFinish, TokenId
 from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Proposals, Proposer, RequestView,
                           RoundBounds, SpecConfig, SpecStats, TreeCosts, trim_cache, tree_masks,

@@ -3,7 +3,7 @@ every request.
 
 `Engine.load()` loads a model with the shipped settings (`config.EngineConfig`).
 `Engine.prepare` hands a request to the engine's `prepare.Preparer` (validate, render,
-compile: a `request.Request`); `Engine.submit`, the one way in, queues it on the scheduler
+compile: a `prepare.Request`); `Engine.submit`, the one way in, queues it on the scheduler
 and returns its typed event stream (`events.RequestStream`); `Engine.generate` drains that
 stream. The CLI, the benchmarks, the server and a sharded target's followers all go through
 it, so stops, logprobs, usage and stats are computed once (`output.Output`). It holds no
@@ -36,8 +36,8 @@ from .grammar import GrammarCompiler
 from .lookup import SuffixStore, grammar_key
 from .models import LoadedModel, gpu_backend
 from .output import Output
-from .prepare import Preparer
-from .request import GenerateRequest, Request, kv_positions
+from .prepare import Preparer, Request
+from .request import GenerateRequest, kv_positions
 from .scheduler import Decisions, Scheduler, SchedulerStats, Ticket, follower
 from .speculative import TreeCosts
 from .types import TokenId

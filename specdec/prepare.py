@@ -4,7 +4,7 @@
 ranges and the model's context and vocabulary), renders its conversation through the chat
 template (tools in the model's own format, a think block where asked), compiles one grammar
 for its whole output (`grammar.GrammarCompiler`: the reasoning block, text or calls, the
-constraint) and fills in the engine's defaults and a seed: the `request.Request` the
+constraint) and fills in the engine's defaults and a seed: the `Request` the
 scheduler decodes. It holds no model weights and no scheduler; the Engine owns one.
 
 Error contract: bad input raises a `RequestError` (`param` naming the field), a template
@@ -21,20 +21,72 @@ import reprlib
 import secrets
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .chat import NO_THINK_KWARGS, render_chat, render_thinking
-from .config import EngineDefaults, SpecConfig
+from .config import DEFAULT_MAX_TOKENS, EngineDefaults, SpecConfig
 from .errors import ChatTemplateError, CompileTimeout, RequestError, TemplateThinksError
 from .grammar import CompiledGrammar, GrammarCompiler, schema_dict, to_grammar
 from .models import LoadedModel
 from .reasoning import Thinking, marker_ids
 from .budget import Closing
-from .request import (DEFAULT_MAX_TOKENS, Constraint, GenerateRequest, Message, NamedTool,
-                      Request, SamplingParams, Tool, kv_positions)
+from .request import (UNGUARANTEED, Constraint, GenerateRequest, Message, NamedTool,
+                      SamplingParams, Tool, kv_positions)
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
                     json_calls_schema, tools_grammar)
 from .types import TokenId
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prepared request, as the scheduler runs it (`Engine.prepare` builds it).
+
+    Attributes:
+        prompt_ids: prompt token ids.
+        constraint: what the output must match, or None.
+        sampling: how tokens are picked (seed filled in when sampling).
+        max_tokens: most tokens to generate.
+        stop: strings that end the output (not included in it).
+        spec: speculative settings, or None for plain decoding.
+        grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
+        logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
+            alternatives (`events.TokenLogprob`).
+        thinking: think before the constrained answer (`reasoning.Thinking`), or None.
+        tools: the tools the output may call (its grammar holds them).
+        calls: how the output's calls are read back (None: the output is text).
+        closing: the budget rule's closing order and the constraint's minimum budget
+            (`budget.Closing`); None: the output is not steered to close in time.
+        unguaranteed: why a constrained output is served without the budget rule (no
+            closing was found within its bound), or None; reported as a warning
+            (`budget_unguaranteed`).
+    """
+
+    prompt_ids: tuple[TokenId, ...]
+    constraint: Constraint | None = None
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+    spec: SpecConfig | None = None
+    grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
+    logprobs: int | None = None
+    thinking: Thinking | None = None
+    tools: tuple[Tool, ...] = ()
+    calls: CallParser | None = field(default=None, repr=False, compare=False)
+    closing: Closing | None = field(default=None, repr=False, compare=False)
+    unguaranteed: str | None = None
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the constraint does not enforce: the grammar's warnings, and
+        `budget_unguaranteed: <why>` where the budget rule is off."""
+        own = self.grammar.warnings if self.grammar is not None else ()
+        return own + ((f"{UNGUARANTEED}: {self.unguaranteed}",) if self.unguaranteed else ())
+
+    @property
+    def kv_positions(self) -> int:
+        """The most KV positions it can hold (`request.kv_positions`)."""
+        return kv_positions(len(self.prompt_ids), self.max_tokens)
 
 
 class Preparer:

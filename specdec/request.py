@@ -1,7 +1,6 @@
 """The request, on the floor: what every API (Chat Completions, Responses, Messages, the
 CLI) translates its wire format into (`GenerateRequest` and its parts: messages, tools, the
-output `Constraint`, `SamplingParams`), and what preparing it makes for the scheduler and
-the decode core (`Request`). Field names here are the `param` names of
+output `Constraint`, `SamplingParams`); preparing it makes the scheduler's `prepare.Request`. Field names here are the `param` names of
 `errors.SpecdecError`. It imports nothing of ours but the floor (`types`, `errors`).
 
 Defaults live here and in preparation, once: a field left None takes the engine's default
@@ -12,21 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from .errors import SamplingError
 from .types import MAX_DRAFT_TOKENS, TokenId
 
-if TYPE_CHECKING:  # what `Engine.prepare` fills a prepared `Request` with (annotations only)
-    from .grammar import CompiledGrammar
-    from .reasoning import Thinking
-    from .config import SpecConfig
-    from .tools import CallParser
-    from .budget import Closing
-
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 SEED_LIMIT = (1 << 64) - 1
-DEFAULT_MAX_TOKENS = 256
 UNGUARANTEED = "budget_unguaranteed"  # the warning of a request served without the budget rule
 
 
@@ -220,57 +211,6 @@ class GenerateRequest:
     spec: SpecOverrides = "default"
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     close_at_budget: bool = True
-
-
-@dataclass(frozen=True)
-class Request:
-    """One prepared request, as the scheduler runs it (`Engine.prepare` builds it).
-
-    Attributes:
-        prompt_ids: prompt token ids.
-        constraint: what the output must match, or None.
-        sampling: how tokens are picked (seed filled in when sampling).
-        max_tokens: most tokens to generate.
-        stop: strings that end the output (not included in it).
-        spec: speculative settings, or None for plain decoding.
-        grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
-        logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
-            alternatives (`events.TokenLogprob`).
-        thinking: think before the constrained answer (`reasoning.Thinking`), or None.
-        tools: the tools the output may call (its grammar holds them).
-        calls: how the output's calls are read back (None: the output is text).
-        closing: the budget rule's closing order and the constraint's minimum budget
-            (`budget.Closing`); None: the output is not steered to close in time.
-        unguaranteed: why a constrained output is served without the budget rule (no
-            closing was found within its bound), or None; reported as a warning
-            (`budget_unguaranteed`).
-    """
-
-    prompt_ids: tuple[TokenId, ...]
-    constraint: Constraint | None = None
-    sampling: SamplingParams = SamplingParams()
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    stop: tuple[str, ...] = ()
-    spec: SpecConfig | None = None
-    grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)
-    logprobs: int | None = None
-    thinking: Thinking | None = None
-    tools: tuple[Tool, ...] = ()
-    calls: CallParser | None = field(default=None, repr=False, compare=False)
-    closing: Closing | None = field(default=None, repr=False, compare=False)
-    unguaranteed: str | None = None
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        """What the constraint does not enforce: the grammar's warnings, and
-        `budget_unguaranteed: <why>` where the budget rule is off."""
-        own = self.grammar.warnings if self.grammar is not None else ()
-        return own + ((f"{UNGUARANTEED}: {self.unguaranteed}",) if self.unguaranteed else ())
-
-    @property
-    def kv_positions(self) -> int:
-        """The most KV positions it can hold (`kv_positions`)."""
-        return kv_positions(len(self.prompt_ids), self.max_tokens)
 
 
 def kv_positions(prompt_tokens: int, max_tokens: int) -> int:

@@ -29,7 +29,7 @@ from .decode import PromptKVCache
 from .errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull,  # noqa: F401
                      SchedulerStopped, SpecdecError)
 from .output import Output
-from .request import Request
+from .prepare import Request
 from .speculative import TREE_MIN_SCORE
 
 log = logging.getLogger("specdec.scheduler")
@@ -40,7 +40,7 @@ class Ticket:
     """A submitted request: what the scheduler needs to run it and report back.
 
     Attributes:
-        request: the prepared request (`request.Request`); the scheduler's `start` builds
+        request: the prepared request (`prepare.Request`); the scheduler's `start` builds
             its `DecodeState` (on the scheduler thread).
         output: the request's output router (`output.Output`): it takes each emitted token
             and puts the request's events into its stream.

@@ -59,7 +59,7 @@ def main(out_path: str) -> int:
     # that is not batch-invariant a request's logits move with its neighbours, so only
     # near-ties may flip.
     from specdec.core import new_state, prefill, run_round
-    from specdec.request import Request
+    from specdec.prepare import Request
 
     batch = []
     for case in cases:

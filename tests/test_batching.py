@@ -31,7 +31,7 @@ from specdec.budget import Closing, need
 from specdec.core import Models, new_state, prefill, run_round
 from specdec.grammar import Constraint
 from specdec.lookup import SuffixStore
-from specdec.request import Request
+from specdec.prepare import Request
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally

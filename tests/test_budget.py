@@ -227,7 +227,7 @@ def test_a_searched_closing_in_a_batch_equals_it_decoded_alone(target, drafts, c
     oracle's."""
     from specdec.budget import Closing
     from specdec.core import Models, new_state, prefill, run_round
-    from specdec.request import Request
+    from specdec.prepare import Request
 
     models = Models(target, WIDTH, drafts["soft"], WIDTH)
     greedy, seeded = MODES["greedy"], MODES["seeded"]

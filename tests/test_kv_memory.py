@@ -23,7 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from oracle import reference_decode
 from specdec import blas, ragged
 from specdec.core import Models, new_state, prefill_arrivals, run_round
-from specdec.request import Request
+from specdec.prepare import Request
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally

@@ -130,7 +130,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
     from specdec import distributed
     from specdec.config import MaskBudget
     from specdec.core import Models, new_state
-    from specdec.request import Request
+    from specdec.prepare import Request
     from specdec.scheduler import Decisions, Scheduler, Ticket, follower
     from tests.tiny import EOS, WIDTH, tiny_llama
 

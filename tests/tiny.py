@@ -43,7 +43,7 @@ def rounds(models, prompt, *, max_tokens, eos_token_ids=EOS, params=None, matche
     its document in time (its minimum measured here)."""
     from specdec.budget import Closing, need
     from specdec.core import new_state, prefill, run_round
-    from specdec.request import Request
+    from specdec.prepare import Request
     from specdec.sampling import SamplingParams
     from specdec.speculative import SpecStats
 
