@@ -128,13 +128,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import llguidance.numpy as llnp
 import numpy as np
 
 from .errors import Overspent
-from .types import TokenId
+from .reasoning import ThinkingCursor
+from .types import GrammarState, TokenId
 
 STRUCTURE = frozenset(b'"{}[],: ')
 BYTE_ORDER = (b'"@}], :/' + bytes(range(0x41, 0x5B)) + b"." + b"1234567890"
@@ -287,7 +287,7 @@ def _step() -> None:
         spend.check()
 
 
-def _allowed(matcher, vocab_size: int) -> np.ndarray | None:
+def _allowed(matcher: GrammarState, vocab_size: int) -> np.ndarray | None:
     """The mask at the matcher's state as bools (vocab_size,), None on an error; its time
     counts in the thread's `Spend`."""
     row = llnp.allocate_token_bitmask(1, vocab_size)
@@ -302,7 +302,7 @@ def _allowed(matcher, vocab_size: int) -> np.ndarray | None:
     return bits.astype(bool)
 
 
-def _ends_after(matcher, token: TokenId) -> bool:
+def _ends_after(matcher: GrammarState, token: TokenId) -> bool:
     """Whether the grammar may end right after `token`."""
     m = matcher.deep_copy()
     return bool(m.consume_token(token)) and not m.is_error() and bool(m.is_accepting())
@@ -324,14 +324,13 @@ class Place:
                      (self.tail + (token,))[-keep:] if keep else ())
 
 
-def ended_reasoning(matcher) -> bool:
+def ended_reasoning(matcher: GrammarState) -> bool:
     """Whether the token the matcher took last completed its reasoning's end marker (a
-    thinking matcher, `reasoning.ThinkingMatcher`; plain matchers never reason)."""
-    at = getattr(matcher, "ended_at", None)
-    return at is not None and at == matcher.n
+    thinking state, `reasoning.ThinkingCursor`; plain matchers never reason)."""
+    return isinstance(matcher, ThinkingCursor) and matcher.gate.ended
 
 
-def _hinted(matcher, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
+def _hinted(matcher: GrammarState, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
             tail: tuple[TokenId, ...]) -> TokenId | None:
     """A hint's next token: for each hint in order, for each start of it the output ends
     with (longest first, the empty one last), its next token where the grammar takes the
@@ -363,7 +362,7 @@ def _signature(mask: np.ndarray, at: Place, hints: Sequence[Sequence[TokenId]]) 
     return (np.packbits(mask).tobytes(), at.nesting, begun)
 
 
-def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
+def closing(matcher: GrammarState, order: ClosingOrder, limit: int, at: Place = Place(),
             hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None,
             gave_up: set[tuple] | None = None) -> list[TokenId] | None:
     """The closing from `matcher`'s state (on a copy) and `at`: the greedy walk, or where it
@@ -382,14 +381,14 @@ def closing(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
     return found
 
 
-def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[TokenId]],
-             gave_up: set[tuple] | None) -> tuple[list[TokenId] | None, list[str]]:
+def _closing(matcher: GrammarState, order: ClosingOrder, at: Place,
+             hints: Sequence[Sequence[TokenId]], gave_up: set[tuple] | None
+             ) -> tuple[list[TokenId] | None, list[str]]:
     """The closing within `NEED_LIMIT` tokens (`closing`), written anew, or None and why."""
     limit = NEED_LIMIT
     keep = _keep(hints)
     m = matcher.deep_copy()
-    reasons = hasattr(m, "close_now")
-    if reasons:
+    if isinstance(m, ThinkingCursor):
         m.close_now()
     out: list[TokenId] = []
     # since the walk last left a search: the state there, the place before each step, and
@@ -405,7 +404,7 @@ def _closing(matcher, order: ClosingOrder, at: Place, hints: Sequence[Sequence[T
         if len(out) >= limit or m.is_error():
             stalled = True
         else:
-            forced = _forced(m, reasons)
+            forced = _forced(m)
             if forced is not None:
                 t = forced
             else:
@@ -460,17 +459,17 @@ def _keep(hints: Sequence[Sequence[TokenId]]) -> int:
     return max((len(h) for h in hints), default=0)
 
 
-def _forced(m, reasons: bool) -> TokenId | None:
-    """The token steps 0 and 1 force at `m`'s state (the reasoning's end marker where
-    `reasons`, else the grammar's first forced token), or None."""
-    due = m.forcing() if reasons else None
+def _forced(m: GrammarState) -> TokenId | None:
+    """The token steps 0 and 1 force at `m`'s state (the reasoning's end marker where it
+    reasons, else the grammar's first forced token), or None."""
+    due = m.forcing() if isinstance(m, ThinkingCursor) else None
     if due is not None:
         return int(due)
     ff = m.compute_ff_tokens()
     return int(ff[0]) if ff else None
 
 
-def _replayed(base, tokens: Sequence[TokenId]):
+def _replayed(base: GrammarState, tokens: Sequence[TokenId]) -> GrammarState:
     """A copy of `base` that took `tokens`."""
     m = base.deep_copy()
     for t in tokens:
@@ -478,7 +477,7 @@ def _replayed(base, tokens: Sequence[TokenId]):
     return m
 
 
-def _anew(matcher, order: ClosingOrder, path: list[TokenId]) -> list[TokenId]:
+def _anew(matcher: GrammarState, order: ClosingOrder, path: list[TokenId]) -> list[TokenId]:
     """`path` written anew where that is shorter: each run of its tokens between special
     tokens replaced by the tokenizer's own tokens for its bytes, where the grammar takes
     the result from `matcher`'s state and may end after it (see the module docstring)."""
@@ -535,14 +534,14 @@ def _alphabet(order: ClosingOrder) -> np.ndarray:
 
 @dataclass
 class _Node:
-    matcher: Any
+    matcher: GrammarState
     at: Place
     path: list[TokenId]
     mask: np.ndarray | None  # None: the search's start (not filled yet)
     sig: tuple | None
 
 
-def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
+def search(matcher: GrammarState, order: ClosingOrder, limit: int, at: Place = Place(),
            hints: Sequence[Sequence[TokenId]] = (), below: int | None = None,
            probes: int | None = None, why: list[str] | None = None) -> list[TokenId] | None:
     """The breadth-first search from `matcher`'s state (on copies) and `at`: the first of
@@ -552,7 +551,6 @@ def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
     See the module docstring."""
     probes = PROBES if probes is None else probes
     keep = _keep(hints)
-    reasons = hasattr(matcher, "close_now")
     frontier = [_Node(matcher.deep_copy(), at, [], None, None)]
     reps: dict[tuple, list[TokenId]] = {}  # signature -> the tokens its first expansion kept
     made = 0
@@ -571,7 +569,7 @@ def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
         kept: set[tuple] = set()
         for node in frontier:
             m = node.matcher
-            forced = _forced(m, reasons)
+            forced = _forced(m)
             mine: dict[tuple, TokenId] | None = None
             if forced is not None:
                 tokens = [forced]
@@ -617,7 +615,7 @@ def search(matcher, order: ClosingOrder, limit: int, at: Place = Place(),
     return None
 
 
-def need(matcher, order: ClosingOrder, limit: int = NEED_LIMIT, at: Place = Place(),
+def need(matcher: GrammarState, order: ClosingOrder, limit: int = NEED_LIMIT, at: Place = Place(),
          hints: Sequence[Sequence[TokenId]] = (), why: list[str] | None = None) -> int | None:
     """The closing's length from `matcher`'s state (None: none found within `limit`, why
     appended to `why`)."""
@@ -625,7 +623,7 @@ def need(matcher, order: ClosingOrder, limit: int = NEED_LIMIT, at: Place = Plac
     return None if walk is None else len(walk)
 
 
-def replays(matcher, token: TokenId, path: Sequence[TokenId], left: int) -> bool:
+def replays(matcher: GrammarState, token: TokenId, path: Sequence[TokenId], left: int) -> bool:
     """Whether `path` (at most `left` tokens) takes the grammar from the state after `token`
     to where it may end (`matcher` untouched)."""
     if len(path) > left:
@@ -652,7 +650,7 @@ def _rest(order: ClosingOrder, token: TokenId, known: Sequence[TokenId]
     return order.tokenize(run[len(head):]) + list(known[n:])
 
 
-def closing_after(matcher, token: TokenId, order: ClosingOrder, left: int,
+def closing_after(matcher: GrammarState, token: TokenId, order: ClosingOrder, left: int,
                   eos: frozenset[int], at: Place, hints: Sequence[Sequence[TokenId]] = (),
                   known: Sequence[TokenId] | None = None, gave_up: set[tuple] | None = None
                   ) -> list[TokenId] | None:
@@ -711,7 +709,8 @@ class BudgetRule:
     def keep(self) -> int:
         return _keep(self.hints)
 
-    def advance(self, token: TokenId, at: Place | None = None, matcher=None) -> Place:
+    def advance(self, token: TokenId, at: Place | None = None,
+                matcher: GrammarState | None = None) -> Place:
         """The place after `token` from `at` (default: the output's; then the output took
         it and its place moves); `matcher`: the one that just took it (where it ended the
         reasoning, the level reader restarts)."""
@@ -729,7 +728,7 @@ class BudgetRule:
         """Whether positions `emitted` on are checked (`left - 1 < window`)."""
         return self.max_tokens - emitted - 1 < self.window
 
-    def decide(self, matcher, emitted: int, pick: TokenId,
+    def decide(self, matcher: GrammarState, emitted: int, pick: TokenId,
                ranked: Callable[[], Sequence[TokenId]], at: Place | None = None) -> TokenId:
         """The token output position `emitted` takes, the decision rule having picked
         `pick` at the matcher's current state (the level reader's `at`: by default, after

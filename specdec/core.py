@@ -17,32 +17,27 @@ speculatively or inside any batch emits the same tokens: every path computes eac
 position's logits over the same cache with the same shapes (bitwise on the reference BLAS,
 see `ragged`), masks them with the same grammar state and picks with the same noise.
 New requests join between rounds; their prompt is prefilled in chunks (`prefill_arrivals`), so
-running requests stall for at most one chunk per round. No I/O, no threads: `scheduler.py`
-drives rounds for the server.
+running requests stall for at most one chunk per round. No I/O; each request's next mask
+fills between rounds on its grammar's workers (`request_grammar.RequestGrammar`), and
+`scheduler.py` drives rounds for the server.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+
+from collections.abc import Generator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from llguidance import LLMatcher
 
 from . import ragged
-from collections.abc import Generator, Sequence
-
-import llguidance.numpy as llnp
-
 from .budget import BudgetRule, Spend, ranked_ids, spending
-from .decode import PREFILL_CHUNK, PromptKVCache, check_matcher, grammar_failure
+from .decode import PREFILL_CHUNK, PromptKVCache
 from .decode import prefill as prefill_tokens
 from .lookup import NgramIndex, SuffixStore
 from .sampling import (SamplingParams, apply_mask, bias_vector, pick, pick_scores,
@@ -52,53 +47,15 @@ from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, Inter
 from .config import MaskBudget
 from .events import TokenLogprob
 from .prepare import Request
-from .types import DecodeFinish, TokenId
-from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Proposals, Proposer, RequestView,
-                          RoundBounds, SpecConfig, SpecStats, TreeCosts, trim_cache, tree_masks,
-                          tree_path, verify_masks)
+from .request_grammar import RequestGrammar
+from .types import DecodeFinish, GrammarState, TokenId
+from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Evaluate, Forward, Proposals,
+                          Proposer, RequestView, RoundBounds, SpecConfig, SpecStats, TreeCosts,
+                          trim_cache, tree_masks, tree_path, verify_masks)
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
 
-
-
-def _low_priority() -> None:
-    """A worker thread's nice value raised (Linux: per thread), so that on a machine whose
-    cores the forward needs, a slow grammar's fills take what the forward leaves."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not per thread here (macOS): left as it is
-        pass
-
-
-# Masks filled between rounds: a request's fills go to `_FILLS` until one is slow, then to
-# `_SLOW_FILLS` (low priority). A fill cannot be interrupted: one whose request was stopped
-# runs on and its row is dropped, so there are more workers than requests in a batch.
-_FILLS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="specdec-mask")
-_SLOW_FILLS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="specdec-slow-mask",
-                                 initializer=_low_priority)
-
-
-@dataclass(frozen=True)
-class NextMask:
-    """A request's mask at its current state, filled off the round: the packed row, its
-    fill time, and the matcher's error text when the fill put it in an error state."""
-
-    row: np.ndarray
-    seconds: float
-    error: str | None = None
-
-
-def _fill_next(matcher: LLMatcher, vocab_size: int) -> NextMask:
-    """(on a `_FILLS` worker, on the caller's own copy of the matcher)"""
-    row = llnp.allocate_token_bitmask(1, vocab_size)
-    t0 = time.perf_counter()
-    try:
-        llnp.fill_next_token_bitmask(matcher, row, 0)
-        error = matcher.get_error() if matcher.is_error() else None
-    except Exception as e:  # reported as the matcher's error: the request fails, not the round
-        error = f"mask fill failed: {e}"
-    return NextMask(row[0], time.perf_counter() - t0, error)
 
 
 @dataclass(frozen=True)
@@ -138,8 +95,8 @@ class DecodeState:
         new_tokens: what the last round emitted (the caller drains it).
         finish: set when the request is done ("stop" or "length"); error: the
             grammar error that ended it (nothing past it is emitted).
-        next_mask: the mask at the matcher's current state, filling off the round
-            (`MaskBudget`); started: when that fill was asked for (perf_counter).
+        grammar: its grammar's state, budget rule and next mask, filling off the round
+            (`request_grammar.RequestGrammar`, `MaskBudget`).
     """
 
     prompt: tuple[TokenId, ...]
@@ -147,15 +104,16 @@ class DecodeState:
     eos: frozenset[int]
     params: SamplingParams = SamplingParams()
     spec: SpecConfig | None = None
-    matcher: LLMatcher | None = None
+    grammar: RequestGrammar | None = None  # its grammar (None: unconstrained)
     stats: SpecStats = field(default_factory=SpecStats)
     t_cache: list = field(default_factory=list)
     d_cache: list = field(default_factory=list)
     seq: list[TokenId] = field(default_factory=list)
     emitted: int = 0
     index: NgramIndex | None = None
-    suffixes: SuffixStore | None = None  # earlier answers proposing (`SpecConfig.suffix`)
-    suffix_key: str | None = None  # its key there (`lookup.grammar_key` of its grammar)
+    # earlier answers proposing (`SpecConfig.suffix`), and its key there (`lookup.grammar_key`
+    # of its grammar)
+    suffixes: tuple[SuffixStore, str | None] | None = None
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
@@ -163,10 +121,6 @@ class DecodeState:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
     finish: DecodeFinish | None = None
     error: SpecdecError | None = None
-    next_mask: Future | None = None
-    started: float = 0.0
-    slow_masks: bool = False  # one fill was slow: decoded plainly, fills at low priority
-    budget: BudgetRule | None = None  # closes the document in time (`budget`)
 
     @property
     def done(self) -> bool:
@@ -175,25 +129,13 @@ class DecodeState:
     def release(self) -> None:
         """Drop the caches (a finished request gives its slab slots back)."""
         self.t_cache, self.d_cache = [], []
-        self.next_mask = None
+        if self.grammar is not None:
+            self.grammar.drop_next_mask()
 
     def ask_next_mask(self, vocab_size: int) -> None:
-        """Start filling the mask at the matcher's current state, off the round."""
-        if self.matcher is not None and not self.done:
-            self.started = time.perf_counter()
-            pool = _SLOW_FILLS if self.slow_masks else _FILLS
-            self.next_mask = pool.submit(_fill_next, self.matcher.deep_copy(), vocab_size)
-
-    def take_next_mask(self) -> NextMask | None:
-        """The mask at the matcher's current state, waiting for its fill (None when none
-        was asked for); its time counts in the request's stats."""
-        if self.next_mask is None:
-            return None
-        m: NextMask = self.next_mask.result()
-        self.next_mask = None
-        self.stats.mask_s += m.seconds
-        self.stats.mask_max_s = max(self.stats.mask_max_s, m.seconds)
-        return m
+        """Start filling the mask at the grammar's current state, off the round."""
+        if self.grammar is not None and not self.done:
+            self.grammar.ask_next_mask(vocab_size, self.emitted)
 
     @property
     def ready(self) -> bool:
@@ -202,12 +144,13 @@ class DecodeState:
 
 
 def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
-              matcher: LLMatcher | None = None, stats: SpecStats | None = None,
+              matcher: GrammarState | None = None, stats: SpecStats | None = None,
               suffixes: SuffixStore | None = None, suffix_key: str | None = None
               ) -> DecodeState:
     """A request's state with empty caches (prefill with `prefill` or `prefill_arrivals`):
     its prompt, output budget, sampling, speculative settings and logprobs come from the
-    prepared `req`; `matcher` is its grammar's (None: unconstrained). `suffixes`: earlier
+    prepared `req`; `matcher` is a fresh state of its grammar (None: unconstrained), made
+    its `RequestGrammar` with the budget rule `req.closing` asks for. `suffixes`: earlier
     answers, where `spec.suffix` asks for their proposals; the output joins them under
     `suffix_key` once it finishes (`scheduler.Scheduler`).
 
@@ -218,28 +161,32 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     """
     prompt, max_tokens, params, spec = req.prompt_ids, req.max_tokens, req.sampling, req.spec
     _check_request(models, prompt, max_tokens, params)
+    eos = frozenset(eos_token_ids)
+    grammar = None
     if matcher is not None:
-        check_matcher(matcher, 0)
+        rule = None
+        if req.closing is not None:
+            assert req.closing.order is not None, \
+                "a replica's request: Engine.new_state builds it"
+            rule = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, eos,
+                              req.closing.hints)
+        grammar = RequestGrammar(matcher, rule)
     # The most positions it can hold: a slab slot, or storage of its own when that is more
     # than a slot holds (`ragged.SLOT_POSITIONS`), so one long request sizes no other's.
     horizon = len(prompt) + max_tokens + (spec.cheap_k + spec.tree + 1 if spec is not None
                                           else 1)
-    s = DecodeState(tuple(prompt), max_tokens, frozenset(eos_token_ids), params, spec, matcher,
+    s = DecodeState(tuple(prompt), max_tokens, eos, params, spec, grammar,
                     stats if stats is not None else SpecStats(),
                     ragged.make_cache(models.target, horizon), [], list(prompt))
     if spec is not None:
         _fit_speculation(models, s, horizon)
     s.bias = bias_vector(params, models.vocab_size)
     s.logprobs = req.logprobs
-    if matcher is not None and req.closing is not None:
-        assert req.closing.order is not None, "a replica's request: Engine.new_state builds it"
-        s.budget = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, s.eos,
-                              req.closing.hints)
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if s.spec is not None and s.spec.lookup:
         s.index = NgramIndex(s.seq)
     if s.spec is not None and s.spec.suffix and suffixes is not None:
-        s.suffixes, s.suffix_key = suffixes, suffix_key
+        s.suffixes = (suffixes, suffix_key)
     s.ask_next_mask(models.vocab_size)  # fills while the prompt is prefilled
     return s
 
@@ -375,17 +322,18 @@ def mask_decisions(budget: MaskBudget, states: Sequence[DecodeState]) -> MaskVer
     last call took over `slow_s` decodes plainly, one over `mask_s` or `total_s` is stopped.
     Time-dependent: a sharded target's rank 0 decides and the others apply (`Decisions`)."""
     now = time.perf_counter()
-    young = [s.next_mask for s in states if s.next_mask is not None
-             and not s.next_mask.done() and now - s.started < budget.slow_s]
+    pending = [(s.grammar.next_mask, s.grammar.started) for s in states
+               if s.grammar is not None and s.grammar.next_mask is not None]
+    young = [(f, t) for f, t in pending if not f.done() and now - t < budget.slow_s]
     if young:
-        wait_futures(young, timeout=budget.slow_s - min(now - s.started for s in states
-                                                         if s.next_mask in young))
+        wait_futures([f for f, _ in young],
+                     timeout=budget.slow_s - min(now - t for _, t in young))
     now = time.perf_counter()
     idle, plain, over = [], [], []
     for s in states:
-        f = s.next_mask
-        if f is not None and not f.done():
-            if now - s.started > budget.mask_s:
+        f = s.grammar.next_mask if s.grammar is not None else None
+        if s.grammar is not None and f is not None and not f.done():
+            if now - s.grammar.started > budget.mask_s:
                 over.append((s, GrammarTooComplex(f"one mask took over {budget.mask_s:g}s",
                                                   position=s.emitted)))
             else:
@@ -400,7 +348,7 @@ def mask_decisions(budget: MaskBudget, states: Sequence[DecodeState]) -> MaskVer
         elif total > budget.total_s:
             over.append((s, GrammarTooComplex(f"its masks took {total:.1f}s in all (at most "
                                               f"{budget.total_s:g}s)", position=s.emitted)))
-        elif worst > budget.slow_s and not s.slow_masks:
+        elif worst > budget.slow_s and s.grammar is not None and not s.grammar.slow:
             plain.append(s)
     return MaskVerdicts(tuple(idle), tuple(plain), tuple(over))
 
@@ -411,7 +359,8 @@ def decode_plainly(s: DecodeState, why: str) -> None:
     if s.spec is not None:
         s.spec, s.index, s.d_cache = None, None, []
         s.stats.spec_off = why
-    s.slow_masks = True
+    if s.grammar is not None:
+        s.grammar.slow = True
 
 
 def run_round(models: Models, states: Sequence[DecodeState],
@@ -427,10 +376,9 @@ def run_round(models: Models, states: Sequence[DecodeState],
     # 0. Each request's mask at its current state, filled between rounds (`MaskBudget`).
     rows: dict[int, np.ndarray] = {}
     for s in live:
-        m = s.take_next_mask()
+        m = s.grammar.take_next_mask(s.stats) if s.grammar is not None else None
         if m is not None and m.error is not None:
-            s.error = grammar_failure("grammar error while masking", detail=m.error,
-                                      position=s.emitted)
+            s.error = m.error
         elif m is not None:
             rows[id(s)] = m.row
     live = [s for s in live if s.error is None]
@@ -464,17 +412,17 @@ def run_round(models: Models, states: Sequence[DecodeState],
     oks: list[list[bool] | None] = [None] * len(live)
     for i, s in enumerate(live):
         masks.append(None)
-        if s.matcher is None:
+        if s.grammar is None:
             continue
         try:
             if trees[i] is not None:
-                bitmask, oks[i], cuts = tree_masks(s.matcher, props[i], trees[i], s.eos,
+                bitmask, oks[i], cuts = tree_masks(s.grammar.state, props[i], trees[i], s.eos,
                                                    models.vocab_size, s.emitted,
                                                    rows.get(id(s)), s.stats, in_round)
                 s.stats.grammar_cuts += cuts > 0
                 masks[i] = bitmask
                 continue
-            bitmask, n_ok = verify_masks(s.matcher, props[i], s.eos, models.vocab_size,
+            bitmask, n_ok = verify_masks(s.grammar.state, props[i], s.eos, models.vocab_size,
                                          s.emitted, rows.get(id(s)), s.stats, in_round)
         except (GrammarStateError, GrammarRefused) as e:
             s.error = e
@@ -509,7 +457,8 @@ def run_round(models: Models, states: Sequence[DecodeState],
         picks.append(pick(x, s.params, noise))
         if s.logprobs is not None:
             lps[i] = _logprobs(x, picks[-1], s.params, s.logprobs)
-        if s.budget is not None and s.budget.active(s.emitted + len(props[i])):
+        rule = s.grammar.rule if s.grammar is not None else None
+        if rule is not None and rule.active(s.emitted + len(props[i])):
             rows_of[i] = RowScores(x, s.params, noise)
     tw = time.perf_counter()
     mx.eval([p for p in picks if p is not None], list(lps.values()))
@@ -613,9 +562,9 @@ def _request_view(models: Models, s: DecodeState) -> RequestView:
     assert s.spec is not None
     if s.index is not None:
         s.index.extend(s.seq[len(s.index.tokens):])
-    earlier = s.suffixes.indexes(s.suffix_key) if s.suffixes is not None else ()
+    earlier = s.suffixes[0].indexes(s.suffixes[1]) if s.suffixes is not None else ()
     return RequestView(s.seq, s.emitted, s.eos, s.params, s.spec, s.stats, models.vocab_size,
-                       s.matcher, s.index, earlier)
+                       s.grammar.state if s.grammar is not None else None, s.index, earlier)
 
 
 def _draft_side(models: Models, s: DecodeState, with_draft: bool) -> DraftSide:
@@ -637,7 +586,7 @@ def _lockstep(models: Models, live: Sequence[DecodeState],
     are evaluated with one sync per step. Returns each one's `Proposals` (empty for a
     request without one) and how many draft forwards ran."""
     out: list[Proposals] = [Proposals([], [])] * len(live)
-    asks: dict[int, Ask] = {i: ("start", None) for i in gens}
+    asks: dict[int, Ask | None] = {i: None for i in gens}  # (None: not yet started)
     replies: dict[int, object] = {i: None for i in gens}
     forwards = 0
     while gens:
@@ -652,15 +601,16 @@ def _lockstep(models: Models, live: Sequence[DecodeState],
                 live[i].error = InternalError(f"proposing tokens failed: {e}")
                 del gens[i]
         replies = {i: None for i in gens}
-        fwd = [i for i in gens if asks[i][0] == "forward"]
+        fwd = {i: a.tokens for i in gens if isinstance(a := asks[i], Forward)}
         if fwd:
             forwards += 1
-            logits = ragged.forward(models.draft, [(asks[i][1], live[i].d_cache) for i in fwd],
+            logits = ragged.forward(models.draft, [(t, live[i].d_cache)
+                                                   for i, t in fwd.items()],
                                     rows=[1] * len(fwd), mapped=False)
             own = getattr(models.draft, "own_logits", None)  # a pruned-vocabulary draft
             for i, x in zip(fwd, logits):
                 replies[i] = x[-1] if own is None else own(x[-1])
-        evals = [a for i in gens if asks[i][0] == "eval" for a in asks[i][1]]
+        evals = [x for i in gens if isinstance(a := asks[i], Evaluate) for x in a.arrays]
         if evals:
             mx.eval(evals)
     return out, forwards
@@ -744,7 +694,8 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBu
             s.stats.mask_max_s = max(s.stats.mask_max_s, spend.slowest)
         if at is not None:
             k, t = at
-            s.stats.budget_steered = s.budget.steered if s.budget is not None else 0
+            rule = s.grammar.rule if s.grammar is not None else None
+            s.stats.budget_steered = rule.steered if rule is not None else 0
             path, rows, out = path[:k], rows[:k + 1], out[:k] + [t]
             if v.lps is not None:
                 steered[k] = v.scores.logprob(rows[k], t)
@@ -773,20 +724,21 @@ def _steer(s: DecodeState, out: list[TokenId], rows: list[int], scores: RowScore
            ) -> tuple[int, TokenId] | None:
     """The first of the round's emitted tokens `out` the budget rule changes (its index and
     the token it takes instead), or None (`budget.BudgetRule.decide`, on a matcher copy)."""
-    assert s.budget is not None and s.matcher is not None
-    m, at = s.matcher.deep_copy(), s.budget.place
+    assert s.grammar is not None and s.grammar.rule is not None
+    rule = s.grammar.rule
+    m, at = s.grammar.clone(), rule.place
     for k, t in enumerate(out):
         n = s.emitted + k
         if n >= s.max_tokens:
             break
-        if s.budget.active(n):
+        if rule.active(n):
             row = rows[k]
-            got = s.budget.decide(m, n, t, lambda: scores.ranked(row), at)
+            got = rule.decide(m, n, t, lambda: scores.ranked(row), at)
             if got != t:
                 return k, got
         if t in s.eos or not m.consume_token(t) or m.is_error() or m.is_stopped():
             break
-        at = s.budget.advance(t, at, m)
+        at = rule.advance(t, at, m)
     return None
 
 
@@ -799,10 +751,9 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
     A request the budget steered ends "length" (the budget forced its close)."""
     n_emit = 0
     for t in out:
-        if s.matcher is not None:
-            s.matcher.consume_token(t)
+        if s.grammar is not None:
             try:
-                check_matcher(s.matcher, s.emitted)
+                s.grammar.consume(t, s.emitted)
             except (GrammarStateError, GrammarRefused) as e:
                 s.error = e
                 return None
@@ -811,8 +762,8 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
             return None
         s.seq.append(t)
         s.new_tokens.append(t)
-        if s.budget is not None:
-            s.budget.advance(t, matcher=s.matcher)
+        if s.grammar is not None:
+            s.grammar.advance_rule(t)
         if lps is not None:
             j = rows[n_emit]
             top = () if len(lps) == 1 else tuple(
@@ -823,7 +774,7 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
                                                else lp, top))
         n_emit += 1
         s.emitted += 1
-        if s.matcher is not None and s.matcher.is_stopped():
+        if s.grammar is not None and s.grammar.stopped():
             s.finish = _stopped(s)
             return None
         if s.emitted >= s.max_tokens:

@@ -1,6 +1,6 @@
-"""What every decode path shares: prompt prefill, the prompt-state store, the grammar error
-type, host timings. The decode itself is the round-based core (`core.py`); plain decoding is
-a round with no proposer.
+"""What every decode path shares: prompt prefill, the prompt-state store, host timings. The
+decode itself is the round-based core (`core.py`); plain decoding is a round with no
+proposer.
 """
 
 from __future__ import annotations
@@ -8,40 +8,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import mlx.nn as nn
 from mlx.utils import tree_map
-from llguidance import LLMatcher
 
 
-from .errors import (GrammarDeadEnd, GrammarRefused, GrammarStateError,  # noqa: F401
-                     GrammarTooComplex)
-from .types import DecodeFinish, TokenId  # noqa: F401
+from .types import TokenId
 
 PREFILL_CHUNK = 512
-
-
-# llguidance reports its parser limits only as text (no error kinds): these are its messages
-# for them (its lexer fuel, Earley items per row, lexer states, grammar size).
-LIMIT_MESSAGES = ("items; max is", "Too many items", "fuel exhausted", "lex fuel",
-                  "relevance check fuel",
-                  "lexer configuration (grammar) too big", "too many expressions constructed")
-
-
-def grammar_failure(reason: str, *, detail: str, position: int | None
-                    ) -> "GrammarStateError | GrammarRefused":
-    """The error for a matcher that entered its error state: one of llguidance's parser
-    limits is the grammar's cost (`GrammarTooComplex`), an empty mask its dead end
-    (`GrammarDeadEnd`); anything else is a fault of ours."""
-    first = detail.strip().splitlines()[0] if detail.strip() else ""
-    if first == "NoExtensionBias":  # llguidance: no token may follow (an empty mask)
-        return GrammarDeadEnd(position=position)
-    if any(m in first for m in LIMIT_MESSAGES):
-        return GrammarTooComplex(first.split("<state>")[0].strip()[:200], position=position)
-    return GrammarStateError(reason, position=position, detail=detail)
 
 
 @dataclass
@@ -220,14 +197,3 @@ def _copy_state(state: Any) -> Any:
     """A deep copy of a cache's `state`, whatever its nesting (a recurrent cache's state
     holds a list that the live cache mutates in place; a cache list nests states)."""
     return tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, state)
-
-
-def check_matcher(matcher: LLMatcher, position: int | None = None) -> None:
-    """Raise GrammarStateError when the matcher has entered its error state.
-
-    Args:
-        position: output tokens emitted so far (reported in the error).
-    """
-    if matcher.is_error():
-        raise grammar_failure("grammar entered an error state", position=position,
-                              detail=matcher.get_error())

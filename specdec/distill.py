@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import llguidance.numpy as llnp
+from llguidance import LLMatcher
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -97,8 +98,9 @@ def _head(model: nn.Module, h: mx.array) -> mx.array:
     return model.lm_head(h)
 
 
-def sample_batch(target: LoadedModel, prompts: list[list[int]], matchers: list[Any],
-                 temps: list[float], max_new: int, top_k: int, rng: np.random.Generator
+def sample_batch(target: LoadedModel, prompts: list[list[int]],
+                 matchers: list[LLMatcher | None], temps: list[float], max_new: int,
+                 top_k: int, rng: np.random.Generator
                  ) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
     """Sample one response per prompt, batched with left padding.
 

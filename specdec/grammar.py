@@ -33,6 +33,7 @@ from .config import GRAMMAR_CACHE_MB
 from .errors import GrammarError, Overspent, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
 from .request import Constraint, ConstraintKind
+from .types import GrammarState
 
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
 
@@ -370,11 +371,11 @@ class GrammarCompiler:
                 self._orders[vocab_size] = hit
         return hit
 
-    def minimum(self, grammar: "CompiledGrammar", matcher: Any, vocab_size: int,
+    def minimum(self, grammar: "CompiledGrammar", matcher: GrammarState, vocab_size: int,
                 hints: tuple[tuple[int, ...], ...] = ()) -> tuple[int | None, str]:
         """The closing's length from a fresh `matcher` of `grammar` (`budget.need`; None:
         none found within its bound, and why), cached with the grammar where `matcher` is
-        the grammar's own (not a thinking matcher, whose budget differs per request)."""
+        the grammar's own (not a thinking state, whose budget differs per request)."""
         plain = type(matcher) is type(grammar._template)
         key = (vocab_size, hints)
         if plain:

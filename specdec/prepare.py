@@ -29,13 +29,13 @@ from .config import DEFAULT_MAX_TOKENS, EngineDefaults, SpecConfig
 from .errors import ChatTemplateError, CompileTimeout, RequestError, TemplateThinksError
 from .grammar import CompiledGrammar, GrammarCompiler, schema_dict, to_grammar
 from .models import LoadedModel
-from .reasoning import Thinking, marker_ids
+from .reasoning import Thinking, ThinkingCursor, marker_ids
 from .budget import Closing
 from .request import (UNGUARANTEED, Constraint, GenerateRequest, Message, NamedTool,
                       SamplingParams, Tool, kv_positions)
 from .tools import (GENERIC, CallParser, ToolFormat, ToolSpec, detect, generic_messages,
                     json_calls_schema, tools_grammar)
-from .types import TokenId
+from .types import GrammarState, TokenId
 
 
 @dataclass(frozen=True)
@@ -491,18 +491,16 @@ class Preparer:
             return req.grammar
         return self.compiler.compile(req.constraint, req.thinking)
 
-    def matcher(self, req: Request) -> Any:
-        """A fresh matcher for the request (None when unconstrained); one that thinks first,
-        wrapped so a thinking budget (or the budget rule's walk) forces the end marker
-        (`reasoning.ThinkingMatcher`)."""
-        from .reasoning import ThinkingMatcher
-
+    def matcher(self, req: Request) -> GrammarState | None:
+        """A fresh state of the request's grammar (None when unconstrained); one that thinks
+        first has a thinking gate, so a thinking budget (or the budget rule's walk) forces
+        the end marker (`reasoning.ThinkingCursor`)."""
         grammar = self.compiled(req)
         if grammar is None:
             return None
         if req.thinking is not None:  # (without a budget: the budget rule's walk)
-            return ThinkingMatcher(grammar.matcher(), self.compiler.markup, req.thinking,
-                                   self.target.vocab_size)
+            return ThinkingCursor.of(grammar.matcher(), self.compiler.markup, req.thinking,
+                                     self.target.vocab_size)
         return grammar.matcher()
 
 

@@ -16,9 +16,10 @@ and OpenAI Harmony (the `analysis` channel ended by `<|end|>`, then the `final` 
 header). `chat.render_thinking` picks one from what the rendered template writes.
 
 The thinking budget is the one rule outside the grammar (llguidance's own `max_tokens`
-disables the rollback speculation needs): `ThinkingMatcher` wraps the request's matcher and,
-once `budget` output tokens were spent inside the reasoning, allows only the end marker's
-tokens, one by one; the grammar allows them there, so the header and answer follow as usual.
+disables the rollback speculation needs): a `ThinkingGate` beside the request's matcher
+(`ThinkingCursor`), once `budget` output tokens were spent inside the reasoning, allows only
+the end marker's tokens, one by one; the grammar allows them there, so the header and answer
+follow as usual.
 
 Markers are token sequences: a special token of the vocabulary is named in the grammar by id
 (`<|end|>`, or `</think>` where it is one added token), the rest as text.
@@ -30,7 +31,6 @@ import ctypes
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
@@ -193,21 +193,20 @@ def think_grammar(answer: str, thinking: Thinking, markup: Markup) -> str:
                                     *subs[1:]]})
 
 
-class ThinkingMatcher:
-    """An `LLMatcher` with a thinking budget: the same interface the decode paths use
-    (`unsafe_compute_mask_ptr` for `llguidance.numpy`, `consume_token`, `deep_copy`, ...).
+class ThinkingGate:
+    """The thinking budget's state and rule, a part of a request's grammar state
+    (`ThinkingCursor`): it reads the tokens the grammar takes and restricts its masks, and
+    holds no matcher.
 
     Counts output tokens from the start of the think block (after the open marker when the
     output opens it: the output's first bytes; output that parts from the marker took the
-    branch without reasoning, and nothing is forced) until the end marker is complete (its one special token, or its text in
-    the output's bytes); from `budget` tokens in, while thinking, the mask allows only the
-    end marker's next token (fail closed: if the grammar does not allow it, the
-    mask is empty and the matcher reports an error).
+    branch without reasoning, and nothing is forced) until the end marker is complete (its
+    one special token, or its text in the output's bytes); from `budget` tokens in, while
+    thinking, the mask allows only the end marker's next token (fail closed: if the grammar
+    does not allow it, the mask is empty and the state reports an error).
     """
 
-    def __init__(self, inner: LLMatcher, markup: Markup, thinking: Thinking,
-                 vocab_size: int) -> None:
-        self.inner = inner
+    def __init__(self, markup: Markup, thinking: Thinking, vocab_size: int) -> None:
         self.tokenizer = markup.tokenizer
         self.budget = thinking.budget
         self.close_ids, self.special = marker_ids(markup, thinking.close)
@@ -219,10 +218,15 @@ class ThinkingMatcher:
         self.thinking = True
         self.forced = 0  # end-marker tokens the budget has forced so far
         self.tail = b""  # the output's bytes since the last marker (a bounded window)
-        self._error: str | None = None
+        self.error: str | None = None
         self.closing = False  # the budget rule's walk: the end marker is due at once
         self.ended_at: int | None = None  # output tokens through the end marker, once it ended
         self.recent: tuple[int, ...] = ()  # the reasoning's last tokens (fewer than the marker's)
+
+    def copy(self) -> "ThinkingGate":
+        c = object.__new__(ThinkingGate)
+        c.__dict__.update(self.__dict__)
+        return c
 
     def close_now(self) -> None:
         """From here on, the end marker is due as if the thinking budget were spent (the
@@ -234,13 +238,12 @@ class ThinkingMatcher:
             self.forced = next((k for k in range(len(ids) - 1, 0, -1)
                                 if self.recent[-k:] == ids[:k]), 0)
 
-    def forcing(self) -> int | None:
-        """The end marker's token forced at this position (the budget spent and the grammar
-        allowing it, or a marker already under way), or None."""
-        return self._forces()
+    @property
+    def ended(self) -> bool:
+        """Whether the last token taken completed the end marker."""
+        return self.ended_at is not None and self.ended_at == self.n
 
-    # -- state ------------------------------------------------------------------------
-    def _due(self) -> int | None:
+    def due(self) -> int | None:
         """The end marker's token the budget forces next (the first one only where the
         grammar allows it), or None."""
         if not self.thinking or self.start is None or self.forced >= len(self.close_ids):
@@ -249,9 +252,9 @@ class ThinkingMatcher:
             return None
         return self.close_ids[self.forced]
 
-    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
-        self.inner.unsafe_compute_mask_ptr(ptr, size)
-        due = self._due()
+    def restrict(self, ptr: int, size: int, grammar_error: bool) -> None:
+        """Restrict the grammar's mask at `ptr` (packed, `size` bytes) to the due token."""
+        due = self.due()
         if due is None:
             return
         row = np.ctypeslib.as_array((ctypes.c_int32 * (size // 4)).from_address(ptr))
@@ -261,38 +264,31 @@ class ThinkingMatcher:
         row[:] = 0
         if ok:
             row[due >> 5] = np.int32(np.uint32(1 << (due & 31)).view(np.int32))
-        elif not self.inner.is_error():
-            self._error = (f"thinking budget: the grammar does not allow the end marker's "
-                           f"token {due} at output position {self.n}")
+        elif not grammar_error:
+            self.error = (f"thinking budget: the grammar does not allow the end marker's "
+                          f"token {due} at output position {self.n}")
 
-    def _forces(self) -> int | None:
-        """The token the budget forces at this position (None: the grammar decides)."""
-        due = self._due()
+    def forces(self, matcher: LLMatcher) -> int | None:
+        """The token the budget forces at `matcher`'s state (None: the grammar decides)."""
+        due = self.due()
         if due is None or self.forced > 0:
             return due
         row = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # as the mask says
-        self.inner.deep_copy().unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        matcher.deep_copy().unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         return due if (int(row[due >> 5]) >> (due & 31)) & 1 else None
 
-    def consume_token(self, token: int) -> bool:
-        forced = self._forces()
-        if forced is not None and token != forced:
-            self._error = (f"thinking budget: token {token} at output position {self.n} where "
-                           f"only {forced} (the end marker) is allowed")
-            return False
-        if forced is not None:
-            self.forced += 1
-        ok = bool(self.inner.consume_token(token))
+    def took(self, token: int) -> None:
+        """Count a token the grammar took, and follow the reasoning's markers."""
         self.n += 1
         if not self.thinking:
-            return ok
+            return
         if self.start is None:  # the output is still choosing its branch
             self.tail += self.tokenizer.decode_bytes([token])
             if self.tail.startswith(self.open_bytes):  # it opened the reasoning
                 self.start, self.tail = self.n, b""
             elif not self.open_bytes.startswith(self.tail):  # it answers at once
                 self.thinking = False
-            return ok
+            return
         marker = self.close_bytes
         self.recent = (self.recent + (token,))[-(len(self.close_ids) - 1):] \
             if len(self.close_ids) > 1 else ()
@@ -303,24 +299,65 @@ class ThinkingMatcher:
             self.thinking = self.close_bytes not in self.tail
         if not self.thinking:
             self.ended_at = self.n
+
+
+class ThinkingCursor:
+    """A grammar state with a thinking budget (a `types.GrammarState`): the request's
+    `LLMatcher` and its `ThinkingGate`, advanced together."""
+
+    def __init__(self, matcher: LLMatcher, gate: ThinkingGate) -> None:
+        self.matcher, self.gate = matcher, gate
+
+    @staticmethod
+    def of(matcher: LLMatcher, markup: Markup, thinking: Thinking, vocab_size: int
+           ) -> "ThinkingCursor":
+        return ThinkingCursor(matcher, ThinkingGate(markup, thinking, vocab_size))
+
+    def forcing(self) -> int | None:
+        """The end marker's token forced at this position (the budget spent and the grammar
+        allowing it, or a marker already under way), or None."""
+        return self.gate.forces(self.matcher)
+
+    def close_now(self) -> None:
+        self.gate.close_now()
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        self.matcher.unsafe_compute_mask_ptr(ptr, size)
+        self.gate.restrict(ptr, size, bool(self.matcher.is_error()))
+
+    def consume_token(self, token: int) -> bool:
+        gate = self.gate
+        forced = gate.forces(self.matcher)
+        if forced is not None and token != forced:
+            gate.error = (f"thinking budget: token {token} at output position {gate.n} where "
+                          f"only {forced} (the end marker) is allowed")
+            return False
+        if forced is not None:
+            gate.forced += 1
+        ok = bool(self.matcher.consume_token(token))
+        gate.took(token)
         return ok
 
-    def deep_copy(self) -> "ThinkingMatcher":
-        c = object.__new__(ThinkingMatcher)
-        c.__dict__.update(self.__dict__)
-        c.inner = self.inner.deep_copy()
-        return c
+    def deep_copy(self) -> "ThinkingCursor":
+        return ThinkingCursor(self.matcher.deep_copy(), self.gate.copy())
 
     def is_error(self) -> bool:
-        return self._error is not None or bool(self.inner.is_error())
+        return self.gate.error is not None or bool(self.matcher.is_error())
 
     def get_error(self) -> str:
-        return self._error or str(self.inner.get_error())
+        return self.gate.error or str(self.matcher.get_error())
 
-    def __getattr__(self, name: str) -> Any:  # is_stopped, is_accepting, validate_tokens, ...
-        if name in ("rollback", "reset", "consume_tokens", "try_consume_tokens"):
-            raise AttributeError(f"ThinkingMatcher does not support {name}")
-        return getattr(self.inner, name)
+    def stop_reason(self) -> str:
+        return "InternalError" if self.gate.error is not None else self.matcher.stop_reason()
+
+    def is_stopped(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def is_accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def compute_ff_tokens(self) -> list[int]:
+        return self.matcher.compute_ff_tokens()
 
 
 def reasoning_bounds(text: str, thinking: Thinking) -> tuple[int, int, int | None]:

@@ -454,7 +454,8 @@ class Scheduler:
         if t.state is not None:
             s = t.state
             if error is None and s.suffixes is not None:  # it proposes for later answers
-                s.suffixes.add(s.suffix_key, s.seq[len(s.prompt):], lead=s.prompt)
+                store, key = s.suffixes
+                store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
             t.state.release()
             if not self._active or t.request.kv_positions > ragged.SLOT_POSITIONS:
                 mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now

@@ -35,18 +35,17 @@ import llguidance.numpy as llnp
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from llguidance import LLMatcher
 
-import time
 
-from .decode import StepTimings, grammar_failure
+from .decode import StepTimings
 from .lookup import LookupCursor, NgramIndex, SuffixCursor
 from .sampling import (SamplingParams, apply_mask, pick_scores, position_noise,
                        unpack_bitmask)
 
 from .errors import DraftConfigError  # noqa: F401
 from .config import MAX_TREE_NODES, SpecConfig  # noqa: F401
-from .types import MAX_DRAFT_TOKENS, ProposalSource, SourceCount, TokenId
+from .request_grammar import failure_of, fill_row, single_allowed
+from .types import MAX_DRAFT_TOKENS, GrammarState, ProposalSource, SourceCount, TokenId
 
 FORCED, LOOKED_UP = ProposalSource.FORCED, ProposalSource.LOOKED_UP
 SUFFIXED, DRAFTED = ProposalSource.SUFFIXED, ProposalSource.DRAFTED
@@ -141,7 +140,7 @@ class SpecStats(StepTimings):
         sources: proposals by source (`ProposalSource`: grammar-forced, prompt lookup,
             earlier answers, draft model) and how many of each the target accepted; counted
             by `propose` and `accept`, read by their wire names (`source_counts`:
-            `forced`, `forced_accepted`, ..., also as attributes: `stats.looked_up`).
+            `forced`, `forced_accepted`, ...).
         branched, branched_accepted: proposals on a token tree's branches (off the chain;
             also counted by source), and how many of those were accepted.
         grammar_cuts: rounds whose proposals the backstop truncated.
@@ -208,17 +207,6 @@ class SpecStats(StepTimings):
                 out[f.name] = getattr(self, f.name)
         return out
 
-    def __getattr__(self, name: str) -> int:
-        """A source's counter read by its wire name (`stats.looked_up`,
-        `stats.drafted_accepted`): a view of `sources`, not a field."""
-        src, accepted = (name[:-len("_accepted")], True) if name.endswith("_accepted") \
-            else (name, False)
-        counts = self.__dict__.get("sources")
-        if counts is None or src not in SOURCE_NAMES:
-            raise AttributeError(name)
-        c = counts[ProposalSource(src)]
-        return c.accepted if accepted else c.proposed
-
 
 class Branch(NamedTuple):
     """A branch candidate at a chain position: its token, its estimated chance of being
@@ -237,7 +225,7 @@ class BranchPoint(NamedTuple):
     probabilities before it, and lookup's rates)."""
 
     position: int
-    state: LLMatcher | None
+    state: GrammarState | None
     options: list[Branch]
     reach: float
 
@@ -256,33 +244,10 @@ class Proposals(NamedTuple):
     score: float = 0.0  # the branch tokens' scores, summed
 
 
-def fill_row(matcher: Any, bitmask: np.ndarray, j: int, stats: StepTimings | None) -> None:
-    """Fill mask row j for the matcher's state, counting its time in `stats` (every fill
-    counts against the request's grammar budget: `config.MaskBudget`)."""
-    t0 = time.perf_counter()
-    llnp.fill_next_token_bitmask(matcher, bitmask, j)
-    if stats is not None:
-        dt = time.perf_counter() - t0
-        stats.mask_s += dt
-        stats.round_mask_s += dt
-        stats.mask_max_s = max(stats.mask_max_s, dt)
-
-
 def over_round_budget(stats: StepTimings, budget_s: float | None) -> bool:
     """Whether this round's fills for a request have spent its in-round budget (then it
     proposes no further and verifies what it has: the round ends sooner, output unchanged)."""
     return budget_s is not None and stats.round_mask_s > budget_s
-
-
-def single_allowed(bitmask: np.ndarray) -> int | None:
-    """The one allowed token id of a packed mask row, or None when 0 or 2+ are allowed."""
-    nz = np.flatnonzero(bitmask)
-    if nz.size != 1:
-        return None
-    word = int(bitmask[nz[0]]) & 0xFFFFFFFF
-    if word & (word - 1):
-        return None
-    return int(nz[0]) * 32 + word.bit_length() - 1
 
 
 def trim_cache(cache: list, n: int) -> None:
@@ -314,7 +279,7 @@ class RequestView:
     spec: SpecConfig
     stats: SpecStats
     vocab_size: int
-    matcher: LLMatcher | None = None
+    matcher: GrammarState | None = None
     index: NgramIndex | None = None
     earlier: Sequence[NgramIndex] = ()
 
@@ -365,7 +330,22 @@ class RoundBounds:
     budget_s: float | None = None
 
 
-Ask = tuple[str, Any]  # what a proposer asks its driver: ("forward", tokens) | ("eval", arrays)
+@dataclass(frozen=True)
+class Forward:
+    """A proposer's ask: feed `tokens` to the draft model, answer with its logits at the
+    last position."""
+
+    tokens: Sequence[TokenId]
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """A proposer's ask: evaluate `arrays` (the driver evaluates every request's at once)."""
+
+    arrays: tuple[mx.array, ...]
+
+
+Ask = Forward | Evaluate  # what a proposer asks its driver
 
 
 class Proposer:
@@ -373,9 +353,9 @@ class Proposer:
     source that has one: the grammar (a forced token), prompt lookup (a legal continuation of
     a repeated n-gram), earlier answers (`RequestView.earlier`, the same), the draft model.
 
-    Driven by `steps`, a generator: it asks ("forward", tokens) for a draft forward (those
+    Driven by `steps`, a generator: it asks `Forward(tokens)` for a draft forward (those
     tokens fed, then answered with the draft's logits at the last position: (Vd,), or
-    (len(space),) with `DraftSide.space`) and ("eval", arrays) to have arrays evaluated (the
+    (len(space),) with `DraftSide.space`) and `Evaluate(arrays)` to have arrays evaluated (the
     driver evaluates every request's at once), and returns the `Proposals`. `core` drives
     every request's proposer in lock-step, one batched draft forward per step. With masking
     off an illegal proposal puts the clone in error, so proposing stops.
@@ -406,7 +386,7 @@ class Proposer:
         # step, and usually accepted) may run on to 2k, capped by the token budget.
         self.k_model = min(spec.k, bounds.depth)
         self.depth = min(spec.cheap_k if bounds.run_on else spec.k, bounds.depth)
-        self.clone: LLMatcher | None = None  # advanced through the proposals
+        self.clone: GrammarState | None = None  # advanced through the proposals
         if req.matcher is not None and (spec.draft_masking or spec.forced_drafting
                                         or req.index or req.earlier):
             self.clone = req.matcher.deep_copy()
@@ -505,10 +485,10 @@ class Proposer:
         """The draft model's pick at position j (a target id), its other likeliest tokens
         noted as branches; None: it has none (every legal token is outside what it can
         propose) or the gate ends the chain (`SpecConfig.draft_min_prob`)."""
-        logits = yield ("forward", self.feed)
+        logits = yield Forward(self.feed)
         self.fed, self.feed = len(self.tokens), []
         choice, picked, p_pick, alts = self._pick(logits, j)
-        yield ("eval", (choice, picked, p_pick, *alts))
+        yield Evaluate((choice, picked, p_pick, *alts))
         if picked.item() == -np.inf:
             return None
         tok = int(choice.item())
@@ -620,7 +600,7 @@ class Proposer:
                 continue
             self._follow(b, score, j + 1, look, row)
 
-    def _follow(self, b: Branch, score: float, depth: int, look: LLMatcher | None,
+    def _follow(self, b: Branch, score: float, depth: int, look: GrammarState | None,
                 row: np.ndarray) -> None:
         """Extend the branch just added (`b`, its head at chain depth `depth`) up to the
         round's depth: with the tokens its grammar state (`look`, advanced) then forces,
@@ -692,7 +672,7 @@ def mask_allows(row: np.ndarray, token: TokenId) -> bool:
     return token >> 5 < row.shape[0] and bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
-def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vocab_size: int,
+def verify_masks(matcher: GrammarState, props: Sequence[TokenId], eos: set[int], vocab_size: int,
                  position: int | None = None, row0: np.ndarray | None = None,
                  stats: StepTimings | None = None, budget_s: float | None = None
                  ) -> tuple[np.ndarray, int]:
@@ -725,8 +705,8 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
         else:
             fill_row(look, bitmask, j, stats)
         if look.is_error():
-            raise grammar_failure("grammar error while verifying", detail=look.get_error(),
-                                  position=None if position is None else position + j)
+            raise failure_of(look, "grammar error while verifying",
+                             None if position is None else position + j)
         if j == len(props):
             break
         t = props[j]
@@ -735,13 +715,12 @@ def verify_masks(matcher: LLMatcher, props: Sequence[TokenId], eos: set[int], vo
         if t in eos:
             return bitmask, j + 1  # nothing follows EOS
         if not look.consume_token(t):
-            raise grammar_failure(f"the grammar rejected token {t} its own mask allowed",
-                                  detail=look.get_error(),
-                                  position=None if position is None else position + j)
+            raise failure_of(look, f"the grammar rejected token {t} its own mask allowed",
+                             None if position is None else position + j)
     return bitmask, len(props)
 
 
-def tree_masks(matcher: LLMatcher, props: Sequence[TokenId], parents: Sequence[int],
+def tree_masks(matcher: GrammarState, props: Sequence[TokenId], parents: Sequence[int],
                eos: set[int], vocab_size: int, position: int | None = None,
                row0: np.ndarray | None = None, stats: StepTimings | None = None,
                budget_s: float | None = None) -> tuple[np.ndarray, list[bool], int]:
@@ -765,9 +744,8 @@ def tree_masks(matcher: LLMatcher, props: Sequence[TokenId], parents: Sequence[i
     else:
         fill_row(root, bitmask, 0, stats)
     if root.is_error():
-        raise grammar_failure("grammar error while verifying", detail=root.get_error(),
-                              position=position)
-    states: dict[int, LLMatcher] = {-1: root}
+        raise failure_of(root, "grammar error while verifying", position)
+    states: dict[int, GrammarState] = {-1: root}
     ok = [False] * n
     cuts = 0
     depth = {-1: 0}
@@ -786,12 +764,10 @@ def tree_masks(matcher: LLMatcher, props: Sequence[TokenId], parents: Sequence[i
             break
         look = states[par].deep_copy()
         if not look.consume_token(t):
-            raise grammar_failure(f"the grammar rejected token {t} its own mask allowed",
-                                  detail=look.get_error(), position=at)
+            raise failure_of(look, f"the grammar rejected token {t} its own mask allowed", at)
         fill_row(look, bitmask, i + 1, stats)
         if look.is_error():
-            raise grammar_failure("grammar error while verifying", detail=look.get_error(),
-                                  position=at)
+            raise failure_of(look, "grammar error while verifying", at)
         states[i] = look
         ok[i] = True
     return bitmask, ok, cuts

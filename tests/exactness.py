@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.decode import GrammarStateError
+from specdec.errors import GrammarStateError
 from specdec.engine import Engine
 from specdec.events import Finished as GenerationResult
 from specdec.grammar import Constraint
@@ -102,14 +102,15 @@ def run_cells(engines: dict[str, Engine], ids: list[int], constraint: Constraint
             continue
         same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
         tally.record(label, same)
-        tally.record_cuts(cell.spec.draft_masking, got.stats.grammar_cuts)
-        tally.record_sources(label, got.stats)
+        tally.record_cuts(cell.spec.draft_masking, got.stats.counters.grammar_cuts)
+        tally.record_sources(label, got.stats.counters)
         if not same:
             n = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens)) if a != b),
                      min(len(got.tokens), len(want.tokens)))
             bad.append(f"{cell.name}: differs from plain at output token {n} "
                        f"(plain {want.text!r}, got {got.text!r})")
-        elif cell.spec.draft_masking and got.stats.grammar_cuts:
-            bad.append(f"{cell.name}: {got.stats.grammar_cuts} grammar cuts with masking on")
+        elif cell.spec.draft_masking and got.stats.counters.grammar_cuts:
+            bad.append(f"{cell.name}: {got.stats.counters.grammar_cuts} grammar cuts with "
+                       "masking on")
     return bad
 

@@ -14,7 +14,8 @@ import pytest
 
 from oracle import reference_decode, report
 from oracle.sampler import unpack_mask
-from specdec.decode import GrammarStateError, StepTimings
+from specdec.decode import StepTimings
+from specdec.errors import GrammarStateError
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams, unpack_bitmask
 from tests import tally

@@ -11,15 +11,15 @@ import pytest
 
 from bench.workloads import CASES
 from oracle import reference_decode, report
-from specdec.decode import GrammarStateError
+from specdec.errors import GrammarStateError
 from specdec.engine import Engine
 from specdec.grammar import Constraint
 from specdec.models import LoadedModel, MappedDraft
 from specdec.lookup import SuffixStore
 from specdec.sampling import (SamplingParams, apply_mask, pick, position_noise,
                               unpack_bitmask)
-from specdec.speculative import (DraftConfigError, SpecConfig, SpecStats, single_allowed,
-                                 space_mask)
+from specdec.request_grammar import single_allowed
+from specdec.speculative import DraftConfigError, SpecConfig, SpecStats, space_mask
 from tests import tally
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
 from tests.tiny import plain_steps as decode_steps
@@ -125,7 +125,7 @@ def test_stop_string_spans_a_round_boundary(target, hf_tokenizer, prompt):
     assert len(stop) >= 3 and stop in base.text
     want = engine.generate(engine.prepare(prompt, max_tokens=20, stop=[stop], spec=None))
     got = engine.generate(engine.prepare(prompt, max_tokens=20, stop=[stop]))
-    assert got.stats.rounds >= 1 and got.stats.k == 4
+    assert got.stats.counters.rounds >= 1 and got.stats.k == 4
     assert (got.text, got.finish_reason) == (want.text, want.finish_reason) == (
         base.text[:base.text.index(stop)], "stop")
 
@@ -278,9 +278,10 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
                                                lookup == "suffix" and k == 8) else 0,
                                            tree_min_score=0.02),
                            suffixes=store, suffix_key=g.text)
-        suffixed += st.suffixed
+        counts = st.source_counts()
+        suffixed += counts["suffixed"]
         branched += st.branched
-        drafted += st.drafted
+        drafted += counts["drafted"]
         same = got == want
         tally.record(f"tiny: spec vs plain ({draft_name} draft)", same)
         tally.record_cuts(dm, st.grammar_cuts)
