@@ -44,7 +44,7 @@ def test_budget_on_over_off_and_the_closing_cost(benchmark, served):
                 arms = [True, False] if rnd % 2 == 0 else [False, True]
                 got = {arm: one(case, arm, 400) for arm in arms}
                 (on, t_on), (off, t_off) = got[True], got[False]
-                assert on.tokens == off.tokens and on.stats.budget_steered == 0, case.name
+                assert on.tokens == off.tokens and on.stats.counters.budget_steered == 0, case.name
                 ratios.append((on.usage.completion_tokens / t_on)
                               / (off.usage.completion_tokens / t_off))
             for case in cases:  # capped a few tokens above the minimum: steered
@@ -52,8 +52,8 @@ def test_budget_on_over_off_and_the_closing_cost(benchmark, served):
                                     constraint=Constraint(case.kind, case.value),
                                     max_tokens=400).closing.minimum
                 r, _ = one(case, True, minimum + 3 + rnd)
-                if r.stats.budget_steered:
-                    steered_s.append(r.stats.budget_s)
+                if r.stats.counters.budget_steered:
+                    steered_s.append(r.stats.counters.budget_s)
         return ratios, steered_s
 
     ratios, steered_s = benchmark.pedantic(measure, rounds=1, iterations=1)

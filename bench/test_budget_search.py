@@ -57,7 +57,7 @@ def test_the_closing_search_cost_per_request(benchmark, served):
             minimum = e.prepare(greq).closing.minimum
             r = e.generate(e.prepare(GenerateRequest(
                 messages=greq.messages, constraint=greq.constraint, max_tokens=minimum + 3)))
-            closing_s.append(r.stats.budget_s)
+            closing_s.append(r.stats.counters.budget_s)
         return minimum_s, closing_s
 
     minimum_s, closing_s = benchmark.pedantic(measure, rounds=1, iterations=1)
@@ -82,7 +82,7 @@ def test_the_rules_cost_by_batch_size(benchmark, served):
     budgets = []  # each answer's own length and ROOM (also compiles and finds the minima)
     for ids, c in zip(prompts, constraints):
         r = e.generate(e.prepare(ids, constraint=c, max_tokens=200))
-        assert r.finish_reason == "stop" and not r.stats.budget_steered
+        assert r.finish_reason == "stop" and not r.stats.counters.budget_steered
         budgets.append(len(r.tokens) + ROOM)
 
     def batch(n: int, close: bool):
@@ -95,7 +95,7 @@ def test_the_rules_cost_by_batch_size(benchmark, served):
         streams = [e.submit(r) for r in reqs]
         done = [list(s)[-1] for s in streams]
         wall = time.perf_counter() - t0
-        assert not any(r.stats.budget_steered for r in done), "steered"
+        assert not any(r.stats.counters.budget_steered for r in done), "steered"
         return done, wall
 
     def measure():
@@ -108,7 +108,7 @@ def test_the_rules_cost_by_batch_size(benchmark, served):
                 (on, t_on), (off, t_off) = runs[True], runs[False]
                 assert [r.tokens for r in on] == [r.tokens for r in off], n
                 tokens = sum(r.usage.completion_tokens for r in on)
-                got[n]["share"].append(sum(r.stats.budget_s for r in on) / t_on)
+                got[n]["share"].append(sum(r.stats.counters.budget_s for r in on) / t_on)
                 got[n]["ratio"].append((tokens / t_on) / (tokens / t_off))
         return got
 

@@ -32,15 +32,17 @@ from .core import DecodeState, Models, new_state
 from .decode import PREFILL_CHUNK, PromptKVCache
 from .errors import CompileTimeout, DraftConfigError, RequestError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
-from .grammar import GrammarCompiler
+from .grammar import CompiledGrammar, GrammarCompiler
 from .lookup import SuffixStore, grammar_key
 from .models import LoadedModel, gpu_backend
+from .reasoning import Thinking
 from .output import Output
 from .prepare import Preparer, Request
 from .request import GenerateRequest, kv_positions
 from .scheduler import Decisions, Scheduler, SchedulerStats, Ticket, follower
 from .speculative import TreeCosts
-from .types import TokenId
+from .tools import ToolFormat
+from .types import GrammarState, TokenId
 
 __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRequest",
            "GenerationStats", "Request", "RequestError"]
@@ -372,6 +374,62 @@ class Engine:
                       d.vocab_size if d else 0, self.draft_max_batch, self.masks,
                       self.tree_costs)
 
+    # -- the Preparer's settings and prompt helpers, read through the Engine -----------------
+    # (held once, in `preparer`; a setting is set there; a helper may be replaced on one
+    # engine, as a method can: tests wrap `matcher` so)
+    @property
+    def defaults(self) -> EngineDefaults:
+        return self.preparer.defaults
+
+    @property
+    def default_spec(self) -> SpecConfig | None:
+        return self.preparer.default_spec
+
+    @property
+    def jump_forward(self) -> bool:
+        return self.preparer.jump_forward
+
+    @property
+    def context_length(self) -> int:
+        return self.preparer.context_length
+
+    @property
+    def max_kv_tokens(self) -> int | None:
+        return self.preparer.max_kv_tokens
+
+    def encode(self, text: str, *, raw: bool = False) -> list[TokenId]:
+        """`Preparer.encode`"""
+        return self.preparer.encode(text, raw=raw)
+
+    def decode_text(self, tokens: Sequence[TokenId]) -> str:
+        """`Preparer.decode_text`"""
+        return self.preparer.decode_text(tokens)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], **kw: Any) -> list[TokenId]:
+        """`Preparer.chat_prompt`"""
+        return self.preparer.chat_prompt(messages, **kw)
+
+    def chat_prompt_thinking(self, messages: list[dict[str, Any]], **kw: Any
+                             ) -> tuple[list[TokenId], Thinking]:
+        """`Preparer.chat_prompt_thinking`"""
+        return self.preparer.chat_prompt_thinking(messages, **kw)
+
+    def tool_format(self, template: str | None = None) -> ToolFormat:
+        """`Preparer.tool_format`"""
+        return self.preparer.tool_format(template)
+
+    def reasoning_tokens(self, tokens: Sequence[TokenId], thinking: Thinking) -> int:
+        """`Preparer.reasoning_tokens`"""
+        return self.preparer.reasoning_tokens(tokens, thinking)
+
+    def compiled(self, req: Request) -> CompiledGrammar | None:
+        """`Preparer.compiled`"""
+        return self.preparer.compiled(req)
+
+    def matcher(self, req: Request) -> GrammarState | None:
+        """`Preparer.matcher`"""
+        return self.preparer.matcher(req)
+
     def new_state(self, req: Request) -> DecodeState:
         """The request's decode state (caches empty: the scheduler prefills in chunks)."""
         if req.closing is not None and req.closing.order is None:  # a replica's request
@@ -385,33 +443,6 @@ class Engine:
 
 def drop(_event: Event) -> None:
     """The sink of a follower rank's outputs: rank 0 answers the clients."""
-
-
-# The Preparer's settings and prompt helpers, read through the Engine (held once, in the
-# Preparer): `engine.defaults`, `engine.encode(text)`, ... A setting is read-only here (set it
-# on the Preparer); a helper may be replaced on one engine, as a method can (tests wrap
-# `matcher` so).
-PREPARER_SETTINGS = ("defaults", "default_spec", "jump_forward", "context_length",
-                     "max_kv_tokens")
-PREPARER_HELPERS = ("encode", "decode_text", "chat_prompt", "chat_prompt_thinking",
-                    "tool_format", "reasoning_tokens", "compiled", "matcher")
-
-
-class _Preparers:
-    """An Engine attribute that is its Preparer's (a non-data descriptor: an engine may
-    shadow it with its own)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, engine: Any, owner: Any = None) -> Any:
-        return self if engine is None else getattr(engine.preparer, self.name)
-
-
-for _name in PREPARER_SETTINGS:
-    setattr(Engine, _name, property(_Preparers(_name).__get__, doc=f"`Preparer.{_name}`"))
-for _name in PREPARER_HELPERS:
-    setattr(Engine, _name, _Preparers(_name))
 
 
 @dataclass(frozen=True)

@@ -79,8 +79,8 @@ class Usage:
 @dataclass(frozen=True)
 class GenerationStats:
     """What one request cost. Times in seconds; the decode loop's counters (`prefill_s`,
-    `mask_s`, `rounds`, `accepted`, `grammar_cuts`, ...; zero for plain decoding) are read
-    through from `counters`."""
+    `mask_s`, `rounds`, `accepted`, `grammar_cuts`, ...; zero for plain decoding) are
+    `counters`'."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -89,9 +89,6 @@ class GenerationStats:
     k: int
     counters: SpecStats
     seconds: float = 0.0  # from submission (waiting included) to the end
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.counters, name)
 
     @property
     def tokens_per_s(self) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from specdec.speculative import SpecStats
 from specdec.types import ProposalSource
 
 CELLS: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [identical, total]
@@ -26,7 +27,7 @@ def record_cuts(draft_masking: bool, cuts: int) -> None:
 SOURCES: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [accepted, proposed]
 
 
-def record_sources(name: str, stats) -> None:
+def record_sources(name: str, stats: SpecStats) -> None:
     """Count proposals by source (lookup, earlier answers, draft model) so the summary shows
     they ran."""
     counts = stats.source_counts()  # `SpecStats`' record, under its wire names

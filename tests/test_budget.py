@@ -331,14 +331,14 @@ def test_a_forced_call_with_a_small_budget_is_made_in_every_tool_format(tool_eng
                                spec=None, sampling=params)
         req = e.prepare(greq)
         want = e.generate(req)
-        steered += want.stats.budget_steered
+        steered += want.stats.counters.budget_steered
         ends.add(want.finish_reason)
         assert want.tool_calls, (fmt, extra, want.text, e.decode_text(want.tokens))
         assert len(want.tool_calls) == 1 or parallel
         for call in want.tool_calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         # "length" when the budget steered or ended it (complete calls, more were allowed)
-        assert want.finish_reason == "length" if want.stats.budget_steered else (
+        assert want.finish_reason == "length" if want.stats.counters.budget_steered else (
             want.finish_reason == "tool_calls" or len(want.tokens) == req.max_tokens)
         same = _oracle(e, req)[0] == want.tokens
         tally.record("budget: tool formats, plain vs oracle", same)

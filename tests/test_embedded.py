@@ -76,7 +76,7 @@ def test_constrained_output_parses_and_validates(engine, case, mode):
     _, result = fast(engine, case, mode)
     assert len(result.tokens) <= MAX_TOKENS
     check_output(case, result.text)
-    assert (result.finish_reason == "length") == (result.stats.budget_steered > 0)
+    assert (result.finish_reason == "length") == (result.stats.counters.budget_steered > 0)
 
 
 def test_most_outputs_finish_within_the_budget(engine):

@@ -73,11 +73,11 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
             ids, constraint=c, sampling=p, max_tokens=MAX_TOKENS, spec=SpecConfig(k, dm, fd)))
         same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
         tally.record("embedded: spec (self draft) vs plain", same)
-        tally.record_cuts(dm, got.stats.grammar_cuts)
-        if not same or (dm and got.stats.grammar_cuts):
-            bad.append((k, dm, fd, got.stats.grammar_cuts))
+        tally.record_cuts(dm, got.stats.counters.grammar_cuts)
+        if not same or (dm and got.stats.counters.grammar_cuts):
+            bad.append((k, dm, fd, got.stats.counters.grammar_cuts))
         if p.greedy and dm:  # the target drafting for itself (masked) agrees everywhere
-            assert got.stats.accepted == got.stats.proposed
+            assert got.stats.counters.accepted == got.stats.counters.proposed
     for k in (4, 8):  # no draft model: grammar-forced tokens only (jump-forward)
         got = jf_engine.generate(jf_engine.prepare(ids, constraint=c, sampling=p,
                                                    max_tokens=MAX_TOKENS, spec=SpecConfig(k)))
@@ -85,7 +85,7 @@ def test_embedded_spec_matrix_equals_plain(spec_engine, jf_engine, case, mode):
         tally.record("embedded: jump-forward (no draft) vs plain", same)
         if not same:
             bad.append(("jump-forward", k))
-        assert got.stats.proposed == got.stats.forced > 0
+        assert got.stats.counters.proposed == got.stats.counters.source_counts()["forced"] > 0
     assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
 
 
@@ -119,12 +119,12 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
                                    spec=spec))
         same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
         tally.record("embedded: spec (distilled draft) vs plain", same)
-        tally.record_cuts(spec.draft_masking, got.stats.grammar_cuts)
-        tally.record_sources(f"embedded {mode}, distilled draft", got.stats)
-        if not same or (spec.draft_masking and got.stats.grammar_cuts):
-            bad.append((spec, got.stats.grammar_cuts))
-        assert not spec.suffix or got.stats.suffixed_accepted > 0
-        assert not spec.tree or got.stats.branched > 0  # the tree did branch
+        tally.record_cuts(spec.draft_masking, got.stats.counters.grammar_cuts)
+        tally.record_sources(f"embedded {mode}, distilled draft", got.stats.counters)
+        if not same or (spec.draft_masking and got.stats.counters.grammar_cuts):
+            bad.append((spec, got.stats.counters.grammar_cuts))
+        assert not spec.suffix or got.stats.counters.source_counts()["suffixed_accepted"] > 0
+        assert not spec.tree or got.stats.counters.branched > 0  # the tree did branch
     assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
 
 
@@ -143,9 +143,9 @@ def test_extraction_with_prompt_lookup_equals_plain(distilled_engine, jf_engine,
                                                tree_min_score=0.15)))
     same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
     tally.record("embedded: extraction, lookup on vs plain", same)
-    tally.record_sources(f"embedded extraction, {draft_name} draft", got.stats)
+    tally.record_sources(f"embedded extraction, {draft_name} draft", got.stats.counters)
     assert same
-    assert got.stats.looked_up_accepted > 0
+    assert got.stats.counters.source_counts()["looked_up_accepted"] > 0
 
 
 @pytest.mark.skipif(blas.openblas_path() is None,

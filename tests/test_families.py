@@ -146,20 +146,20 @@ def test_family_plain_equals_oracle_and_cells_equal_plain(family_dir, name):
     # Speculating families propose; the others decode plainly and say why.
     got = engines["self"].generate(engines["self"].prepare(
         ids, constraint=SCHEMA, max_tokens=MAX_TOKENS, spec=SpecConfig(4, lookup=True)))
-    reason = PLAIN_BECAUSE.get(name)
+    reason, c = PLAIN_BECAUSE.get(name), got.stats.counters
     if reason is None:
-        assert got.stats.spec_off == "" and got.stats.proposed > 0
+        assert c.spec_off == "" and c.proposed > 0
     else:
-        assert reason in got.stats.spec_off and got.stats.proposed == 0
+        assert reason in c.spec_off and c.proposed == 0
     tally.NOTES.append(f"family {name}: "
-                       f"{'speculates' if reason is None else 'plain: ' + got.stats.spec_off}")
+                       f"{'speculates' if reason is None else 'plain: ' + c.spec_off}")
     if name == "gemma3":  # a request that ends before the window wraps speculates
         # (cut at 6 tokens, under its minimum: plain truncation, the budget rule off)
         short = engines["self"].generate(engines["self"].prepare(
             ids, constraint=SCHEMA, max_tokens=6, spec=SpecConfig(4, lookup=True),
             close_at_budget=False))
         assert len(ids) + 6 + 8 < 64
-        assert short.stats.spec_off == "" and short.stats.proposed > 0
+        assert short.stats.counters.spec_off == "" and short.stats.counters.proposed > 0
         assert short.tokens == e.generate(e.prepare(ids, constraint=SCHEMA, max_tokens=6,
                                                     spec=None, close_at_budget=False)).tokens
 

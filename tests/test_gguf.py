@@ -341,7 +341,8 @@ def test_constrained_decoding_and_speculation_hold_on_a_converted_gguf(converted
     got = engines["self"].generate(engines["self"].prepare(
         ids, constraint=SCHEMA, max_tokens=n, spec=SpecConfig(4, lookup=True),
         close_at_budget=window is None))
-    assert got.stats.proposed > 0 and got.stats.spec_off == "", got.stats.spec_off
+    c = got.stats.counters
+    assert c.proposed > 0 and c.spec_off == "", c.spec_off
     assert got.tokens == e.generate(e.prepare(ids, constraint=SCHEMA, max_tokens=n,
                                               close_at_budget=window is None)).tokens
     text = target.tokenizer.decode(list(got.tokens))

@@ -179,7 +179,7 @@ def test_every_finished_output_validates(flat_engine):
                                      logit_bias=tuple((t, bias) for t in sorted(closers))))
             out = engine.generate(req)
             if path_kind != "plain":
-                assert out.stats.rounds > 0, "the speculative path did not run"
+                assert out.stats.counters.rounds > 0, "the speculative path did not run"
             if out.finish_reason != "stop":
                 return  # cut by max_tokens: no document, no verdict
             value = json.loads(out.text)

@@ -244,7 +244,7 @@ def test_the_budget_ends_the_reasoning_in_time_for_the_answer(models, family, sc
             assert reasoning or extra < 9, (family, budget, want.text)
             jsonschema.validate(json.loads(answer), schema,
                                 format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-            assert want.finish_reason == "length" and want.stats.budget_steered > 0
+            assert want.finish_reason == "length" and want.stats.counters.budget_steered > 0
             assert len(want.tokens) <= budget
             ref = reference_decode(target.model, ids, vocab_size=target.vocab_size,
                                    eos_token_ids=target.eos_token_ids, max_tokens=budget,

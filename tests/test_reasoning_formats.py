@@ -230,7 +230,7 @@ def test_a_budget_spent_in_the_reasoning_still_ends_in_a_valid_answer(models, fm
         got = eng.generate(eng.prepare(ids, constraint=constraint, max_tokens=minimum + 16,
                                        sampling=sampling, thinking=thinking, spec=spec))
         assert _text(target, got.tokens).startswith(thinking.open)
-        assert got.finish_reason == "length" and got.stats.budget_steered, got
+        assert got.finish_reason == "length" and got.stats.counters.budget_steered, got
         jsonschema.validate(json.loads(got.text), SCHEMA)
         assert want is None or got.tokens == want.tokens
         want = got

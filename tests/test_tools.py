@@ -232,7 +232,7 @@ def check_cells(engines: dict[str, Engine], greq: GenerateRequest, label: str,
             greq, spec=dataclasses.asdict(cell.spec))))
         same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
         tally.record(label, same)
-        tally.record_cuts(cell.spec.draft_masking, got.stats.grammar_cuts)
+        tally.record_cuts(cell.spec.draft_masking, got.stats.counters.grammar_cuts)
         if not same:
             bad.append(f"{cell.name}: {got.text!r} != plain {want.text!r}")
     e = engines["self"]  # the needle in the middle of a batch
@@ -340,7 +340,7 @@ def test_a_forced_call_after_thinking_closes_within_the_budget(cell_engines):
         assert not bad, "\n".join(bad)
         want = e.generate(e.prepare(dataclasses.replace(r, spec=None)))
         assert want.reasoning is not None and len(want.tool_calls) == 1, want
-        assert want.finish_reason == "length" and want.stats.budget_steered, want
+        assert want.finish_reason == "length" and want.stats.counters.budget_steered, want
         c = want.tool_calls[0]
         tool = {"get_weather": WEATHER, "get_time": CLOCK}[c.name]
         jsonschema.validate(json.loads(c.arguments), dict(tool.parameters))
