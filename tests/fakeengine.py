@@ -16,7 +16,8 @@ from specdec.engine import EngineStatus
 from specdec.errors import SpecdecError
 from specdec.events import (Event, Finished, GenerationStats, RequestStream, ToolCall,
                             Usage)
-from specdec.request import GenerateRequest, Request
+from specdec.prepare import Request
+from specdec.request import GenerateRequest
 from specdec.scheduler import SchedulerStats
 from specdec.speculative import SpecStats
 
