@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from specdec.catalog import DEFAULT_NAME, Catalog, ModelSpec
+from specdec.engine import Engine
 from specdec.errors import DeadlineExceeded, ModelLoadError, ModelsBusy, SpecdecError
+from specdec.prompt_bound import PromptBound
 
 from .errors import WireError
 
@@ -53,9 +55,9 @@ class Seat:
 
     spec: ModelSpec
     card: dict[str, Any]
-    engine: Any = None
-    bound: Any = None  # `door.PromptBound` of the loaded engine
-    loading: Future[Any] | None = None
+    engine: Engine | None = None
+    bound: PromptBound | None = None  # the loaded engine's (`bound_of`)
+    loading: Future[Engine] | None = None
     leases: int = 0
     last_used: float = field(default_factory=time.monotonic)
     loads: int = 0
@@ -84,7 +86,17 @@ def card_of(config: dict[str, Any]) -> dict[str, Any]:
             "context_length": int(config.get("max_position_embeddings") or 2048)}
 
 
-def weight_bytes(engine: Any) -> int:
+def bound_of(engine: Engine) -> PromptBound | None:
+    """A loaded engine's prompt bound: its context length and its tokenizer's (None for a
+    stand-in engine without a preparer, as the protocol tests serve)."""
+    preparer = getattr(engine, "preparer", None)
+    if preparer is None:
+        return None
+    return PromptBound.of(preparer.context_length, preparer.target.tokenizer,
+                          preparer.compiler.tokenizer)
+
+
+def weight_bytes(engine: Engine) -> int:
     """The bytes of a loaded engine's parameters: its target's and its own draft's."""
     from mlx.utils import tree_flatten
 
@@ -94,7 +106,7 @@ def weight_bytes(engine: Any) -> int:
                for _, v in tree_flatten(m.model.parameters()))
 
 
-def footprint(engine: Any) -> int:
+def footprint(engine: Engine) -> int:
     """What a loaded engine may hold: its weights and its compiled-grammar cache, full (the
     cache fills as requests bring grammars, and only an unload empties it)."""
     compiler = getattr(engine, "compiler", None)
@@ -160,11 +172,9 @@ class Fleet:
         loaded: engines already loaded, by model name (a single-model server's).
     """
 
-    def __init__(self, catalog: Catalog, loader: Callable[[ModelSpec], Any],
-                 max_loaded: int | None = None, loaded: dict[str, Any] | None = None,
+    def __init__(self, catalog: Catalog, loader: Callable[[ModelSpec], Engine],
+                 max_loaded: int | None = None, loaded: dict[str, Engine] | None = None,
                  memory_budget: int | None = None) -> None:
-        from .door import PromptBound
-
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"--max-loaded {max_loaded}: at least 1")
         self.catalog, self.loader, self.max_loaded = catalog, loader, max_loaded
@@ -181,26 +191,25 @@ class Fleet:
                 card["draft"] = "none" if d is None else "self" if d is engine.target else d.name
             else:
                 card["draft"] = spec.config.draft_for(spec.path) or "none"
-            seat = Seat(spec, card, engine,
-                        PromptBound.of(engine) if engine is not None else None)
+            seat = Seat(spec, card, engine, bound_of(engine) if engine is not None else None)
             seat.bytes = footprint(engine) if engine is not None else estimate_bytes(spec)
             self.seats.append(seat)
         self.default = self.seat(catalog.default)
-        self._start: Callable[[Any], None] = lambda engine: None
+        self._start: Callable[[Engine], None] = lambda engine: None
         self._lock = threading.Lock()
         self._loads = ThreadPoolExecutor(1, thread_name_prefix="specdec-load")
         self._closed = threading.Event()
         self._reaper: threading.Thread | None = None
 
     @classmethod
-    def single(cls, engine: Any) -> "Fleet":
+    def single(cls, engine: Engine) -> "Fleet":
         """One engine, loaded already and never unloaded (a single-model server)."""
         name = engine.target.name
         spec = ModelSpec(name, str(getattr(engine.target, "path", name)),
                          getattr(engine, "config", None), pinned=True)  # type: ignore[arg-type]
         return cls(Catalog((spec,), name), lambda s: engine, loaded={name: engine})
 
-    def start(self, start: Callable[[Any], None]) -> None:
+    def start(self, start: Callable[[Engine], None]) -> None:
         """Start the loaded engines' schedulers with `start`, and every later load's; watch
         the TTLs."""
         self._start = start
@@ -238,7 +247,7 @@ class Fleet:
         return seat if seat is not None and seat.engine is not None else None
 
     # -- leases and loads ----------------------------------------------------------------
-    async def acquire(self, seat: Seat, timeout_s: float | None = None) -> Any:
+    async def acquire(self, seat: Seat, timeout_s: float | None = None) -> Engine:
         """Lease `seat` for a request and return its engine, loading it first when it is not
         (one load however many requests wait on it, within `timeout_s`).
 
@@ -273,7 +282,7 @@ class Fleet:
             seat.leases -= 1
             seat.last_used = time.monotonic()
 
-    def _load_job(self, seat: Seat) -> Future[Any]:
+    def _load_job(self, seat: Seat) -> Future[Engine]:
         """The seat's load (the caller holds `_lock`): the one under way, else a new one,
         after making room."""
         if seat.loading is not None:
@@ -340,7 +349,7 @@ class Fleet:
         with self._lock:
             seat.pinned = pinned
 
-    def _load(self, seat: Seat) -> Any:
+    def _load(self, seat: Seat) -> Engine:
         """Load and start a seat's engine (on the load thread)."""
         t0 = time.perf_counter()
         try:
@@ -357,19 +366,17 @@ class Fleet:
         log.info("loaded model %r in %.2fs", seat.name, time.perf_counter() - t0)
         return engine
 
-    def _make(self, seat: Seat) -> tuple[Any, Any]:
+    def _make(self, seat: Seat) -> tuple[Engine, PromptBound | None]:
         """A seat's engine, started, and its prompt bound.
 
         Raises:
             ModelLoadError: naming the model and the cause.
         """
-        from .door import PromptBound
-
         log.info("loading model %r (%s)", seat.name, seat.spec.path)
         try:
             engine = self.loader(seat.spec)
             self._start(engine)
-            return engine, PromptBound.of(engine)
+            return engine, bound_of(engine)
         except SpecdecError as e:
             raise ModelLoadError(f"model {seat.name!r} failed to load: {e}") from e
         except Exception as e:  # a broken model directory: its own exception, named
