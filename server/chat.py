@@ -26,15 +26,14 @@ from fastapi.responses import JSONResponse
 from specdec.errors import SpecdecError
 from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
                             ToolCallDelta)
-from specdec.grammar import Constraint
-from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
-from specdec.sampling import SamplingError, SamplingParams
+from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, SamplingParams,
+                             Tool, ToolCall, ToolChoice)
 
 from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
                         COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
                         CompletionRequest, TextPart, ToolResult, SamplingFields)
-from .door import Door, Run, RunResponse, extension, request_headers, spec_overrides, sse
-from .errors import bad_request, openai_body, openai_response, wire_param
+from .door import Door, Run, RunResponse, extension, request_headers, sampling, sse, tool
+from .errors import bad_request, openai_body, openai_response
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
 REQUEST_BODIES = {"/v1/chat/completions": ChatCompletionRequest,
@@ -96,18 +95,13 @@ def constraint_of(body: SamplingFields) -> Constraint | None:
 
 
 def sampling_of(body: SamplingFields) -> SamplingParams:
-    """Temperature defaults to 1, as OpenAI's does."""
+    """The sampling fields with `logit_bias` (its keys token ids, each once)."""
     bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
     twice = next((t for (t, _), (u, _) in zip(bias, bias[1:]) if t == u), None)
     if twice is not None:
         raise bad_request(f"logit_bias names token {twice} twice (its keys are token ids)",
                           "logit_bias")
-    try:
-        return SamplingParams(1.0 if body.temperature is None else body.temperature,
-                              1.0 if body.top_p is None else body.top_p, body.top_k or 0,
-                              body.seed, bias)
-    except SamplingError as e:
-        raise bad_request(str(e), wire_param(e, {})) from e
+    return sampling(body.temperature, body.top_p, body.top_k, body.seed, bias)
 
 
 def tools_of(body: ChatCompletionRequest) -> tuple[tuple[Tool, ...], ToolChoice]:
@@ -118,10 +112,8 @@ def tools_of(body: ChatCompletionRequest) -> tuple[tuple[Tool, ...], ToolChoice]
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs a non-empty 'tools' list", "tools")
         return (), "none"
-    tools = tuple(Tool(t.function.name, t.function.description, strict=t.function.strict is True,
-                       **({"parameters": t.function.parameters}
-                          if t.function.parameters is not None else {}))
-                  for t in body.tools)
+    tools = tuple(tool(t.function.name, t.function.description, t.function.parameters,
+                       t.function.strict) for t in body.tools)
     if choice is None:
         return tools, "auto"
     return tools, choice if isinstance(choice, str) else NamedTool(choice.function.name)
@@ -157,9 +149,7 @@ def _common(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     """The request fields chat and completions share."""
     return {"constraint": constraint_of(body), "sampling": sampling_of(body),
             "max_tokens": max_tokens, "stop": (body.stop,) if isinstance(body.stop, str)
-            else tuple(body.stop or ()), "spec": spec_overrides(
-                body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
-            "close_at_budget": body.close_at_budget is not False}
+            else tuple(body.stop or ()), **body.engine_fields()}
 
 
 def to_request(body: ChatCompletionRequest | CompletionRequest) -> GenerateRequest:

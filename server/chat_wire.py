@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from specdec.types import FinishReason
 
-from .door import Float, Int, Unmodeled, integral, within_context
+from .door import Extensions, Float, Int, Seed, Unmodeled, integral, within_context
 from .openapi import GENERATE_RESPONSES, sse
 
 # -- requests ---------------------------------------------------------------------------------
@@ -212,14 +212,14 @@ class NamedToolChoice(_Wire):
     function: NamedFunction
 
 
-class SamplingFields(_Open):
+class _Sampling(_Open):
     model: str | None = None
     max_tokens: Int | None = Field(None, ge=1)
     temperature: Float | None = Field(None, ge=0, le=100)
     top_p: Float | None = Field(None, gt=0, le=1)
     top_k: Int | None = Field(None, ge=0, description="0 (or the vocabulary size, or more) "
                                                       "disables it")
-    seed: Int | None = Field(None, ge=0, le=2**64 - 1)
+    seed: Seed = None
     stop: Annotated[str, Field(min_length=1)] | Annotated[
         list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = Field(
         None, description="a non-empty string, or up to 4 of them")
@@ -240,12 +240,10 @@ class SamplingFields(_Open):
     guided_choice: Annotated[list[str], FAIL_FAST] | None = Field(
         None, description="structured_outputs.choice")
     guided_grammar: str | None = Field(None, description="structured_outputs.grammar")
-    num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
-    draft_masking: bool | None = None
-    prompt_lookup: bool | None = None
-    close_at_budget: bool | None = Field(
-        None, description="true (the default): a constrained answer closes its document in "
-                          "time for the token budget; false: it is cut where the budget ends")
+
+
+class SamplingFields(Extensions, _Sampling):
+    """What Chat Completions and Completions both take: sampling, the constraint, and ours."""
 
 
 class ChatCompletionRequest(SamplingFields):

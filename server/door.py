@@ -1,6 +1,6 @@
 """What every API module shares: the server's settings, reading and parsing a body (and the
-wire's number types), and running a `specdec.request.GenerateRequest` through the engine as
-an event stream.
+wire's number types, our extension fields, the sampling and tool builders), and running a
+`specdec.request.GenerateRequest` through the engine as an event stream.
 
 An API module (`chat`, `responses`, `messages`) parses its wire body with its pydantic models
 (`Door.parse`), builds the neutral request, calls `Door.open` and turns the events of the
@@ -32,19 +32,21 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
-from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Strict, ValidationError,
+from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Field, Strict, ValidationError,
                       ValidationInfo)
 from pydantic_core import PydanticCustomError
 
 from specdec.config import LIMITS
 from specdec.engine import Engine
-from specdec.errors import GrammarRefused, GrammarStateError, QueueFull, SpecdecError
+from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, SamplingError,
+                            SpecdecError)
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
 from specdec.prepare import Request
 from specdec.prompt_bound import PromptBound
-from specdec.request import UNGUARANTEED, GenerateRequest, SpecOverrides
+from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, SamplingParams,
+                             SpecOverrides, Tool)
 
-from .errors import WireError, bad_request, ref_of
+from .errors import WireError, bad_request, ref_of, wire_param
 from .fleet import Fleet, Seat
 from .metrics import Metrics
 
@@ -79,6 +81,54 @@ def within_context(what: str, count: Callable[[list[Any]], int] = len) -> Before
                                       {"n": n, "what": what, "limit": limit})
         return v
     return BeforeValidator(check)
+
+
+Seed = Annotated[Int | None, Field(ge=0, le=SEED_LIMIT)]
+
+
+class Extensions(BaseModel):
+    """Our fields that every API's body takes, last among its fields (a body's model derives
+    from this class before its fields' base, so they stay last in its document): the
+    speculation's knobs and what a constrained answer does at its token budget."""
+
+    num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
+    draft_masking: bool | None = None
+    prompt_lookup: bool | None = None
+    close_at_budget: bool | None = Field(
+        None, description="true (the default): a constrained answer closes its document in "
+                          "time for the token budget; false: it is cut where the budget ends")
+
+    def engine_fields(self) -> dict[str, Any]:
+        """These fields as the request's: `spec` ("default" where none is given, None for
+        plain decoding (k = 0), else the overrides given) and `close_at_budget`."""
+        k = self.num_draft_tokens
+        given = {name: v for name, v in (("k", k), ("draft_masking", self.draft_masking),
+                                          ("lookup", self.prompt_lookup)) if v is not None}
+        spec: SpecOverrides = None if k == 0 else given or "default"
+        return {"spec": spec, "close_at_budget": self.close_at_budget is not False}
+
+
+def sampling(temperature: float | None, top_p: float | None, top_k: int | None,
+             seed: int | None, logit_bias: tuple[tuple[int, float], ...] = ()
+             ) -> SamplingParams:
+    """A body's sampling fields as the request's (every API's defaults: temperature and
+    top_p 1, as OpenAI's and Anthropic's are; top_k off).
+
+    Raises:
+        WireError: 400 naming the field out of range.
+    """
+    try:
+        return SamplingParams(1.0 if temperature is None else temperature,
+                              1.0 if top_p is None else top_p, top_k or 0, seed, logit_bias)
+    except SamplingError as e:
+        raise bad_request(str(e), wire_param(e, {})) from e
+
+
+def tool(name: str, description: str | None, parameters: Mapping[str, Any] | None,
+         strict: bool | None) -> Tool:
+    """A function tool as the request's (no parameters: it takes none)."""
+    return Tool(name, description, strict=strict is True,
+                **({"parameters": parameters} if parameters is not None else {}))
 
 
 # -- the fields a body's model does not name (every API's one policy) ---------------------------
@@ -512,18 +562,6 @@ def sse(event: str | None, data: Any) -> str:
     """One server-sent event (`event:` line when named)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(data)}\n\n"
-
-
-def spec_overrides(k: int | None, masking: bool | None, lookup: bool | None
-                   ) -> SpecOverrides:
-    """Our speculative extensions (`num_draft_tokens`, `draft_masking`, `prompt_lookup`) as
-    the request's overrides: "default" (none given), None (plain: k = 0) or fields."""
-    if k is None and masking is None and lookup is None:
-        return "default"
-    if k == 0:
-        return None
-    fields = {"k": k, "draft_masking": masking, "lookup": lookup}
-    return {name: v for name, v in fields.items() if v is not None}
 
 
 def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> dict[str, Any]:

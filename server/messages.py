@@ -38,11 +38,9 @@ from pydantic import (BaseModel)
 from specdec.errors import SpecdecError
 from specdec.events import (Event, Failed, Finished, ReasoningDelta, TextDelta,
                             ToolCallDelta)
-from specdec.grammar import Constraint
-from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
-from specdec.sampling import SamplingParams
+from specdec.request import Constraint, GenerateRequest, Message, NamedTool, ToolCall, ToolChoice
 
-from .door import Door, Run, RunResponse, extension, request_headers, spec_overrides, sse
+from .door import Door, Run, RunResponse, extension, request_headers, sampling, sse, tool
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
@@ -184,7 +182,7 @@ def prompt_request(body: CountTokensBody) -> GenerateRequest:
         messages=conversation(body),
         constraint=Constraint.json_schema(restore_moved(fmt.schema_), lenient=False)
         if fmt else None,
-        tools=tuple(Tool(t.name, t.description, t.input_schema, t.strict)
+        tools=tuple(tool(t.name, t.description, t.input_schema, t.strict)
                     for t in body.tools),
         tool_choice=choice, parallel_tool_calls=parallel,
         thinking=think is not None and think.type != "disabled",
@@ -196,12 +194,8 @@ def to_request(body: MessagesBody) -> GenerateRequest:
     """The neutral request a Messages body means (Anthropic's temperature default: 1.0)."""
     return dataclasses.replace(
         prompt_request(body),
-        sampling=SamplingParams(1.0 if body.temperature is None else body.temperature,
-                                1.0 if body.top_p is None else body.top_p, body.top_k or 0,
-                                body.seed),
-        max_tokens=body.max_tokens, stop=tuple(body.stop_sequences),
-        spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
-        close_at_budget=body.close_at_budget is not False)
+        sampling=sampling(body.temperature, body.top_p, body.top_k, body.seed),
+        max_tokens=body.max_tokens, stop=tuple(body.stop_sequences), **body.engine_fields())
 
 
 # -- events -> the wire -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .door import Float, Int, Unmodeled, within_context
+from .door import Extensions, Float, Int, Seed, Unmodeled, within_context
 
 BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"),
           "system": ("text",)}
@@ -159,20 +159,15 @@ class CountTokensBody(_Strict):
     output_format: JSONFormat | None = None  # the structured-outputs beta's spelling
 
 
-class MessagesBody(CountTokensBody):
-    """`POST /v1/messages`: a conversation to answer."""
-
+class _Answer(CountTokensBody):
     max_tokens: Int = Field(ge=1)
     stop_sequences: Annotated[list[str], FAIL_FAST] = []
     stream: bool = False
     temperature: Float | None = Field(None, ge=0, le=1)
     top_p: Float | None = Field(None, gt=0, le=1)
     top_k: Int | None = Field(None, ge=0)
-    # our extensions
-    seed: Int | None = Field(None, ge=0, le=2**64 - 1)
-    num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
-    draft_masking: bool | None = None
-    prompt_lookup: bool | None = None
-    close_at_budget: bool | None = Field(
-        None, description="true (the default): a constrained answer closes its document in "
-                          "time for the token budget; false: it is cut where the budget ends")
+    seed: Seed = None  # ours, as the rest (`Extensions`)
+
+
+class MessagesBody(Extensions, _Answer):
+    """`POST /v1/messages`: a conversation to answer."""

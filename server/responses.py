@@ -39,11 +39,10 @@ from pydantic import BaseModel
 
 from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
-from specdec.grammar import Constraint
-from specdec.request import GenerateRequest, Message, NamedTool, Tool, ToolCall, ToolChoice
-from specdec.sampling import SamplingParams
+from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
+                             ToolChoice)
 
-from .door import Door, Run, RunResponse, extension, request_headers, spec_overrides, sse
+from .door import Door, Run, RunResponse, extension, request_headers, sampling, sse, tool
 from .errors import bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES, sse as sse_body
 from .responses_wire import FunctionChoice, NEEDS, UNMODELED, ResponsesRequest
@@ -118,25 +117,20 @@ def to_request(body: ResponsesRequest) -> GenerateRequest:
         constraint = Constraint.json_schema(fmt.schema_, lenient=not fmt.strict)
     choice: ToolChoice = (NamedTool(body.tool_choice.name)
                           if isinstance(body.tool_choice, FunctionChoice) else body.tool_choice)
-    tools = tuple(Tool(t.name, t.description, strict=bool(t.strict), **(
-        {"parameters": t.parameters} if t.parameters is not None else {})) for t in body.tools)
+    tools = tuple(tool(t.name, t.description, t.parameters, t.strict) for t in body.tools)
     effort = body.reasoning.effort if body.reasoning else None
     budget = body.max_thinking_tokens
     if effort == "none" and budget is not None:
         raise bad_request("max_thinking_tokens asks for thinking and reasoning.effort 'none' "
                           "turns it off", "reasoning.effort")
-    sampling = SamplingParams(1.0 if body.temperature is None else body.temperature,
-                              1.0 if body.top_p is None else body.top_p, body.top_k or 0,
-                              body.seed)
     return GenerateRequest(
         messages=messages(body), constraint=constraint, tools=tools, tool_choice=choice,
-        parallel_tool_calls=body.parallel_tool_calls is not False, sampling=sampling,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        sampling=sampling(body.temperature, body.top_p, body.top_k, body.seed),
         max_tokens=body.max_output_tokens, thinking=effort not in (None, "none") or
         budget is not None, thinking_budget=budget,
         reasoning_effort=effort if effort not in (None, "none") else None,
-        spec=spec_overrides(body.num_draft_tokens, body.draft_masking, body.prompt_lookup),
-        template_kwargs=body.chat_template_kwargs or {},
-        close_at_budget=body.close_at_budget is not False)
+        template_kwargs=body.chat_template_kwargs or {}, **body.engine_fields())
 
 
 def head(body: ResponsesRequest, run: Run, model: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchem
 from pydantic import GetJsonSchemaHandler
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
-from .door import Float, Int, Unmodeled, within_context
+from .door import Extensions, Float, Int, Seed, Unmodeled, within_context
 
 STATELESS = "this server is stateless: responses are not stored"
 # Official fields that would change the output: their no-op values, and why others are refused.
@@ -139,10 +139,7 @@ def _turns(items: list[Any]) -> int:
     return sum(not (isinstance(i, dict) and i.get("type") == "reasoning") for i in items)
 
 
-class ResponsesRequest(_Wire):
-    """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=UNMODELED.document)
+class _Request(_Wire):
     model: str | None = None
     input: Annotated[list[InputItem], FAIL_FAST, BeforeValidator(
         lambda v: [{"content": v}] if isinstance(v, str) else v),
@@ -160,13 +157,13 @@ class ResponsesRequest(_Wire):
     stream: bool | None = None
     max_tool_calls: Int | None = Field(None, ge=0, description="accepted and ignored: "
                                                                "built-in tools only")
-    seed: Int | None = Field(None, ge=0, le=2**64 - 1)
+    seed: Seed = None
     top_k: Int | None = Field(None, ge=0)
-    num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
-    draft_masking: bool | None = None
-    prompt_lookup: bool | None = None
-    close_at_budget: bool | None = Field(
-        None, description="true (the default): a constrained answer closes its document in "
-                          "time for the token budget; false: it is cut where the budget ends")
+
+
+class ResponsesRequest(Extensions, _Request):
+    """The body of `POST /v1/responses` (unknown fields are refused by name after parsing)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=UNMODELED.document)
     max_thinking_tokens: Int | None = Field(None, ge=0, description="implies thinking")
     chat_template_kwargs: dict[str, Any] | None = None
