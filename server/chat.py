@@ -8,23 +8,26 @@ name (`chat_wire.CHAT_UNMODELED`, every API's policy), one constraint at most (r
 vLLM's `structured_outputs` or its older `guided_*` fields), thinking asked for and turned off
 at once.
 
-Streaming: a first chunk with the role, then one chunk per event (`reasoning_content`,
-`content` or `tool_calls` deltas, each with the logprobs of the tokens behind it), a chunk
-with the finish reason, a usage chunk when `stream_options.include_usage`, then `[DONE]`. A
-failure mid-stream is an `{"error": ...}` chunk before `[DONE]`.
+One fold (`Chunks`) makes both the stream and the whole answer. Streaming: a first chunk
+with the role, then one chunk per event (`reasoning_content`, `content` or `tool_calls`
+deltas, each with the logprobs of the tokens behind it), a chunk with the finish reason, a
+usage chunk when `stream_options.include_usage`, then `[DONE]`. A failure mid-stream is an
+`{"error": ...}` chunk before `[DONE]`, naming the field as the body does (as a failure of a
+whole answer does).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from specdec.errors import SpecdecError
-from specdec.events import (Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
+from specdec.events import (Event, Failed, Finished, ReasoningDelta, TextDelta, TokenLogprob,
                             ToolCallDelta)
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, SamplingParams,
                              Tool, ToolCall, ToolChoice)
@@ -32,7 +35,7 @@ from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, Sa
 from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
                         COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
                         CompletionRequest, TextPart, ToolResult, SamplingFields)
-from .door import Door, Run, RunResponse, extension, request_headers, sampling, sse, tool
+from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
 from .errors import bad_request, openai_body, openai_response
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
@@ -205,76 +208,112 @@ def params_of(body: ChatCompletionRequest | CompletionRequest) -> dict[str, str]
                          if body.max_completion_tokens else {})}
 
 
-def include_usage(body: SamplingFields) -> bool:
-    so = body.stream_options
-    return bool(so is not None and so.include_usage)
-
-
 # -- events -> the wire -----------------------------------------------------------------------
-def error(e: SpecdecError) -> JSONResponse:
-    return openai_response(e, PARAMS)
+DONE: SSEEvent = (None, "[DONE]")
+
+
+def error(e: SpecdecError, body: Body | None = None) -> JSONResponse:
+    """An error in OpenAI's shape, in the body's own field names (chat's by default)."""
+    return openai_response(e, PARAMS if body is None else params_of(body))
 
 
 def router(door: Door) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES)
-    async def chat(request: Request) -> Any:
-        body = await door.parse(request, ChatCompletionRequest)
-        greq = to_request(body)
-        try:
-            return await _serve(door, request, body, greq)
-        except SpecdecError as e:  # in the body's own field names
-            door.metrics.add(request_errors_total=1)
-            return openai_response(e, params_of(body))
+    async def chat(http: Request) -> Response:
+        return await door.serve(http, ChatCompletionRequest, to_request, Chunks.of, error)
 
     @r.post("/v1/completions", response_model=None, responses=COMPLETION_RESPONSES)
-    async def completions(request: Request) -> Any:
-        body = await door.parse(request, CompletionRequest)
-        greq = to_request(body)
-        try:
-            return await _serve(door, request, body, greq)
-        except SpecdecError as e:  # in this API's own field names
-            door.metrics.add(request_errors_total=1)
-            return openai_response(e, params_of(body))
+    async def completions(http: Request) -> Response:
+        return await door.serve(http, CompletionRequest, to_request, Chunks.of, error)
 
     return r
 
 
-async def _serve(door: Door, http: Request, body: Body, greq: GenerateRequest) -> Any:
-    chat = isinstance(body, ChatCompletionRequest)
-    run = await door.open(greq, http, door.route(body.model))
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    headers = request_headers(run.request)
-    if body.stream:
-        return RunResponse(run, _chunks(door, run, body, rid, chat), headers)
-    async for ev in run.events():
+@dataclass
+class Chunks(Fold):
+    """One run's events -> the stream's chunks (`chat.completion.chunk`, `text_completion`)
+    and the whole answer (`chat.completion`, `text_completion`)."""
+
+    run: Run
+    chat: bool
+    params: dict[str, str]  # the engine's field names -> the body's
+    usage: bool  # a usage chunk after the last (`stream_options.include_usage`)
+    id: str
+    started: set[int] = field(default_factory=set)  # tool calls whose first delta was sent
+    done: Finished | None = None
+
+    @classmethod
+    def of(cls, body: Body, run: Run) -> Chunks:
+        chat, so = isinstance(body, ChatCompletionRequest), body.stream_options
+        return cls(run, chat, params_of(body), bool(so and so.include_usage),
+                   f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+
+    def opening(self) -> list[SSEEvent]:
+        return [self._chunk({"role": "assistant", "content": ""})] if self.chat else []
+
+    def feed(self, ev: Event) -> list[SSEEvent]:
+        if isinstance(ev, ReasoningDelta):
+            return [self._chunk({"reasoning_content": ev.text}, lps=ev.logprobs)]
+        if isinstance(ev, TextDelta):
+            return [self._chunk({"content": ev.text}, lps=ev.logprobs)]
+        if isinstance(ev, ToolCallDelta):  # id, type and name with a call's first delta
+            call: dict[str, Any] = {"index": ev.index, "function": {"arguments": ev.arguments}}
+            if ev.index not in self.started:
+                self.started.add(ev.index)
+                call.update(id=ev.id, type="function")
+                call["function"] = {"name": ev.name, "arguments": ev.arguments}
+            return [self._chunk({"content": None, "tool_calls": [call]}, lps=ev.logprobs)]
         if isinstance(ev, Failed):
-            raise ev.error
-        if isinstance(ev, Finished):
-            break
-    else:  # the client went away: nobody to answer (499: client closed the request)
-        return JSONResponse({"error": None}, status_code=499)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
-    if run.request.logprobs is not None:
-        choice["logprobs"] = logprobs_of(run, ev.logprobs, chat)
-    if chat:
-        msg: dict[str, Any] = {"role": "assistant",
-                               "content": (ev.text or None) if ev.tool_calls else ev.text}
-        if ev.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in ev.tool_calls]
-        if ev.reasoning is not None:
-            msg["reasoning_content"] = ev.reasoning
-        choice["message"] = msg
-    else:
-        choice["text"] = ev.text
-    return JSONResponse({
-        "id": rid, "object": "chat.completion" if chat else "text_completion",
-        "created": run.created, "model": run.model, "choices": [choice],
-        "usage": usage_of(ev), "specdec": extension(run, ev.stats, ev.warnings)},
-        headers=headers)
+            return [(None, openai_body(ev.error, self.params)), DONE]
+        self.done = ev
+        out = [self._chunk(None, ev.finish_reason)]
+        if self.usage:
+            out.append((None, {**self._head(), "choices": [], "usage": usage_of(ev),
+                               "specdec": extension(self.run, ev.stats, ev.warnings)}))
+        return out + [DONE]
+
+    def answer(self) -> dict[str, Any]:
+        ev = self.done
+        assert ev is not None, "answered before the run finished"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason,
+                                  "logprobs": None}
+        if self.run.request.logprobs is not None:
+            choice["logprobs"] = logprobs_of(self.run, ev.logprobs, self.chat)
+        if self.chat:
+            msg: dict[str, Any] = {"role": "assistant",
+                                   "content": (ev.text or None) if ev.tool_calls else ev.text}
+            if ev.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in ev.tool_calls]
+            if ev.reasoning is not None:
+                msg["reasoning_content"] = ev.reasoning
+            choice["message"] = msg
+        else:
+            choice["text"] = ev.text
+        return {**self._head("chat.completion" if self.chat else "text_completion"),
+                "choices": [choice], "usage": usage_of(ev),
+                "specdec": extension(self.run, ev.stats, ev.warnings)}
+
+    def _head(self, obj: str | None = None) -> dict[str, Any]:
+        """An object's first fields: a chunk's, or the whole answer's `obj`."""
+        obj = obj or ("chat.completion.chunk" if self.chat else "text_completion")
+        return {"id": self.id, "object": obj, "created": self.run.created,
+                "model": self.run.model}
+
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None,
+               lps: Sequence[TokenLogprob] = ()) -> SSEEvent:
+        want = self.run.request.logprobs is not None and lps
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                  "logprobs": logprobs_of(self.run, lps, self.chat) if want
+                                  else None}
+        if self.chat:
+            choice["delta"] = delta or {}
+        else:
+            choice["text"] = (delta or {}).get("content", "")
+        return None, {**self._head(), "choices": [choice]}
 
 
 def usage_of(ev: Finished) -> dict[str, Any]:
@@ -308,47 +347,3 @@ def logprobs_of(run: Run, lps: Sequence[TokenLogprob], chat: bool) -> dict[str, 
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in lps],
             "top_logprobs": [{text(a): b for a, b in e.top} for e in lps],
             "text_offset": offsets}
-
-
-async def _chunks(door: Door, run: Run, body: Body, rid: str, chat: bool
-                  ) -> AsyncIterator[str]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    want_lp = run.request.logprobs is not None
-
-    def chunk(delta: dict[str, Any] | None, finish: str | None = None,
-              lps: Sequence[TokenLogprob] = ()) -> str:
-        lp = logprobs_of(run, lps, chat) if want_lp and lps else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": lp}
-        if chat:
-            choice["delta"] = delta or {}
-        else:
-            choice["text"] = (delta or {}).get("content", "")
-        return sse(None, {"id": rid, "object": obj, "created": run.created,
-                          "model": run.model, "choices": [choice]})
-
-    if chat:
-        yield chunk({"role": "assistant", "content": ""})
-    started: set[int] = set()
-    async for ev in run.events():
-        if isinstance(ev, ReasoningDelta):
-            yield chunk({"reasoning_content": ev.text}, lps=ev.logprobs)
-        elif isinstance(ev, TextDelta):
-            yield chunk({"content": ev.text}, lps=ev.logprobs)
-        elif isinstance(ev, ToolCallDelta):  # id, type and name with a call's first delta
-            call: dict[str, Any] = {"index": ev.index, "function": {"arguments": ev.arguments}}
-            if ev.index not in started:
-                started.add(ev.index)
-                call.update(id=ev.id, type="function")
-                call["function"] = {"name": ev.name, "arguments": ev.arguments}
-            yield chunk({"content": None, "tool_calls": [call]}, lps=ev.logprobs)
-        elif isinstance(ev, Failed):
-            yield sse(None, openai_body(ev.error, PARAMS if chat else COMPLETION_PARAMS))
-        else:
-            yield chunk(None, ev.finish_reason)
-            if include_usage(body):
-                yield sse(None, {"id": rid, "object": obj, "created": run.created,
-                                 "model": run.model, "choices": [],
-                                 "usage": usage_of(ev),
-                                 "specdec": extension(run, ev.stats, ev.warnings)})
-    if not run.left:
-        yield "data: [DONE]\n\n"

@@ -1,11 +1,14 @@
 """What every API module shares: the server's settings, reading and parsing a body (and the
-wire's number types, our extension fields, the sampling and tool builders), and running a
-`specdec.request.GenerateRequest` through the engine as an event stream.
+wire's number types, our extension fields, the sampling and tool builders), and one route
+that runs a `specdec.request.GenerateRequest` through the engine and answers it.
 
-An API module (`chat`, `responses`, `messages`) parses its wire body with its pydantic models
-(`Door.parse`), builds the neutral request, calls `Door.open` and turns the events of the
-returned `Run` into its wire response. Errors are `SpecdecError`s; the app answers each in
-the shape of the API whose path it hit.
+An API module (`chat`, `responses`, `messages`) gives `Door.serve` its body's pydantic model,
+its conversion to the neutral request and its `Fold`: one pass over a run's events that makes
+both its stream and its whole answer. `serve` parses (`Door.parse`), routes (a model this
+server does not serve is a 404 before the body is read further), converts, opens the run
+(`Door.open`) and answers; a client gone before a whole answer gets a 499. Errors are
+`SpecdecError`s, answered in the shape of the API whose path they hit: by the API's `error`
+in its body's own field names, or by the app's handler before there is a body.
 
 Admission comes before work: a full server answers 503 before a body is parsed and before a
 request is rendered; a prompt that cannot fit the context even at a lower bound on its tokens
@@ -28,10 +31,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Field, Strict, ValidationError,
                       ValidationInfo)
 from pydantic_core import PydanticCustomError
@@ -51,6 +54,7 @@ from .fleet import Fleet, Seat
 from .metrics import Metrics
 
 M = TypeVar("M", bound=BaseModel)
+B = TypeVar("B", bound=BaseModel)  # an API's body: it names `model` and `stream`
 R = TypeVar("R")
 log = logging.getLogger("specdec.server")
 INLINE_BODY_BYTES = 256 * 1024  # a larger body is parsed off the event loop
@@ -225,6 +229,31 @@ class Bounded:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+SSEEvent = tuple[str | None, Any]  # one server-sent event: its name (None: unnamed), its data
+
+
+class Fold(Protocol):
+    """One API's answer to a run: `feed` turns each of its events into the stream's events
+    and keeps what the whole answer needs, so a streamed and a whole answer come from one
+    pass and cannot differ."""
+
+    def headers(self) -> dict[str, str]:
+        """The API's own response headers (`request_headers` are every API's)."""
+        return {}
+
+    def opening(self) -> list[SSEEvent]:
+        """The stream's events before the run's first."""
+        return []
+
+    def feed(self, ev: Event) -> list[SSEEvent]:
+        """The stream's events for one of the run's events (`Finished`, `Failed` too)."""
+        ...
+
+    def answer(self) -> dict[str, Any]:
+        """The whole answer, once `Finished` was fed."""
+        ...
+
+
 class Door:
     """The served models as the API modules see them: a request names its model
     (`route`), which `open` leases (loading it on first use) for the request's life."""
@@ -397,10 +426,53 @@ class Door:
             raise
         return Run(self, req, stream, http, seat, engine)
 
+    async def serve(self, http: HTTPRequest, body_type: type[B],
+                    request: Callable[[B], GenerateRequest], fold: Callable[[B, Run], Fold],
+                    error: Callable[[SpecdecError, B], Response]) -> Response:
+        """Every API's route: parse the body, route it (a model this server does not serve
+        is a 404 before the rest of the body is read), make the neutral request, open the
+        run and answer through the API's fold: its stream, or its whole answer once the run
+        finished. A client gone before the whole answer gets a 499 and no body (nobody is
+        there to read one, in any API's shape).
+
+        Args:
+            body_type: the API's body model. request: the neutral request a body means.
+            fold: the API's answer to a run. error: an error in the API's shape, in the
+                body's field names.
+        """
+        body = await self.parse(http, body_type)
+        try:
+            seat = self.route(body.model)  # type: ignore[attr-defined]
+            run = await self.open(request(body), http, seat)
+            out = fold(body, run)
+            headers = {**out.headers(), **request_headers(run.request)}
+            if body.stream:  # type: ignore[attr-defined]
+                return RunResponse(run, _stream(run, out), headers)
+            async with contextlib.aclosing(run.events()) as events:
+                async for ev in events:
+                    if isinstance(ev, Failed):
+                        raise ev.error
+                    out.feed(ev)
+        except SpecdecError as e:
+            self.metrics.add(request_errors_total=1)
+            return error(e, body)
+        if run.left:  # the client went away (499: client closed the request)
+            return Response(status_code=499)
+        return JSONResponse(out.answer(), headers=headers)
+
     def close(self) -> None:
         self.fleet.close()
         self.prepares.close()
         self.parses.close()
+
+
+async def _stream(run: Run, fold: Fold) -> AsyncIterator[str]:
+    """A run's answer as server-sent events."""
+    for name, data in fold.opening():
+        yield sse(name, data)
+    async for ev in run.events():
+        for name, data in fold.feed(ev):
+            yield sse(name, data)
 
 
 @dataclass
@@ -559,9 +631,10 @@ def _depth(x: Any) -> int:
 
 
 def sse(event: str | None, data: Any) -> str:
-    """One server-sent event (`event:` line when named)."""
+    """One server-sent event (`event:` line when named): its data as JSON, or a text as it
+    is (`[DONE]`)."""
     head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data)}\n\n"
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> dict[str, Any]:

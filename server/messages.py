@@ -27,20 +27,18 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
-from pydantic import (BaseModel)
+from pydantic import BaseModel
 
 from specdec.errors import SpecdecError
-from specdec.events import (Event, Failed, Finished, ReasoningDelta, TextDelta,
-                            ToolCallDelta)
+from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
 from specdec.request import Constraint, GenerateRequest, Message, NamedTool, ToolCall, ToolChoice
 
-from .door import Door, Run, RunResponse, extension, request_headers, sampling, sse, tool
+from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
@@ -199,20 +197,37 @@ def to_request(body: MessagesBody) -> GenerateRequest:
 
 
 # -- events -> the wire -----------------------------------------------------------------------
-SSEEvent = tuple[str, dict[str, Any]]  # (event name, data)
 BlockKey = str | tuple[str, int]  # "thinking", "text" or ("tool_use", call index)
 
 
 @dataclasses.dataclass
-class Blocks:
+class Blocks(Fold):
     """Folds a request's events into the Message's content blocks and the SSE events that
     build them: the one code path behind both the streamed and the whole response, so the
     two can never disagree."""
 
+    run: Run
     omit_thinking: bool = False  # `display: "omitted"`: the block is sent, its text not
+    id: str = dataclasses.field(default_factory=lambda: "msg_" + uuid.uuid4().hex[:24])
     content: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     key: BlockKey | None = None  # the open block
     args: list[str] = dataclasses.field(default_factory=list)  # the open tool_use's input JSON
+    done: Finished | None = None
+
+    @classmethod
+    def of(cls, body: MessagesBody, run: Run) -> Blocks:
+        return cls(run, body.thinking is not None and body.thinking.display == "omitted")
+
+    def headers(self) -> dict[str, str]:
+        return {"request-id": self.id}
+
+    def opening(self) -> list[SSEEvent]:
+        return [("message_start", {"type": "message_start",
+                                   "message": message(self.id, self.run, [], None)}),
+                ("ping", {"type": "ping"})]
+
+    def answer(self) -> dict[str, Any]:
+        return message(self.id, self.run, self.content, self.done)
 
     def _open(self, key: BlockKey, block: dict[str, Any]) -> list[SSEEvent]:
         if key == self.key:
@@ -229,8 +244,8 @@ class Blocks:
                                         "index": len(self.content) - 1, "delta": delta})
 
     def feed(self, ev: Event) -> list[SSEEvent]:
-        """The SSE events one engine event makes (`Finished` closes the open
-        block; the caller adds `message_delta` and `message_stop`)."""
+        """The SSE events one engine event makes (`Finished` closes the open block, then
+        the message; `Failed` is Anthropic's error event, the stream's last)."""
         if isinstance(ev, ReasoningDelta):
             out = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             if ev.text and not self.omit_thinking:
@@ -247,7 +262,16 @@ class Blocks:
             self.args.append(ev.arguments)
             return out + [self._delta({"type": "input_json_delta",
                                        "partial_json": ev.arguments})]
-        return self.close() if isinstance(ev, Finished) else []
+        if isinstance(ev, Failed):
+            return [("error", anthropic_body(ev.error, PARAMS))]
+        self.done = ev
+        reason, seq = stop_of(ev)
+        return self.close() + [
+            ("message_delta", {"type": "message_delta",
+                               "delta": {"stop_reason": reason, "stop_sequence": seq},
+                               "usage": usage(ev),
+                               "specdec": extension(self.run, ev.stats, ev.warnings)}),
+            ("message_stop", {"type": "message_stop"})]
 
     def close(self) -> list[SSEEvent]:
         if self.key is None:
@@ -306,24 +330,6 @@ def message(msg_id: str, run: Run, content: list[dict[str, Any]],
     return body
 
 
-async def _stream(run: Run, msg_id: str, blocks: Blocks) -> AsyncIterator[str]:
-    yield sse("message_start", {"type": "message_start",
-                                "message": message(msg_id, run, [], None)})
-    yield sse("ping", {"type": "ping"})
-    async for ev in run.events():
-        if isinstance(ev, Failed):  # mid-stream: Anthropic's error event, then the end
-            yield sse("error", anthropic_body(ev.error, PARAMS))
-            return
-        for name, data in blocks.feed(ev):
-            yield sse(name, data)
-        if isinstance(ev, Finished):
-            reason, seq = stop_of(ev)
-            yield sse("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                "usage": usage(ev), "specdec": extension(run, ev.stats, ev.warnings)})
-            yield sse("message_stop", {"type": "message_stop"})
-
-
 # -- the routes -------------------------------------------------------------------------------
 _ERROR = {"description": "Anthropic's error shape", "content": {"application/json": {"schema": {
     "type": "object", "required": ["type", "error"], "properties": {
@@ -337,7 +343,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
     **{c: _ERROR for c in (400, 401, 404, 413, 503, 504)}}
 
 
-def error(e: SpecdecError) -> JSONResponse:
+def error(e: SpecdecError, body: MessagesBody | None = None) -> JSONResponse:
     """Any error under `PREFIX`, in Anthropic's shape."""
     return anthropic_response(e, PARAMS)
 
@@ -347,25 +353,7 @@ def router(door: Door) -> APIRouter:
 
     @r.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: HTTPRequest) -> Response:
-        body = await door.parse(http, MessagesBody)
-        seat = door.route(body.model)  # (a model we do not serve first, as before)
-        greq = to_request(body)
-        run = await door.open(greq, http, seat)
-        msg_id = "msg_" + uuid.uuid4().hex[:24]
-        blocks = Blocks(omit_thinking=body.thinking is not None
-                        and body.thinking.display == "omitted")
-        headers = {"request-id": msg_id, **request_headers(run.request)}
-        if body.stream:
-            return RunResponse(run, _stream(run, msg_id, blocks), headers)
-        done: Finished | None = None
-        async for ev in run.events():
-            if isinstance(ev, Failed):
-                raise ev.error
-            blocks.feed(ev)
-            done = ev if isinstance(ev, Finished) else done
-        if done is None:  # the client went away: nobody to answer (499: client closed)
-            return Response(status_code=499)
-        return JSONResponse(message(msg_id, run, blocks.content, done), headers=headers)
+        return await door.serve(http, MessagesBody, to_request, Blocks.of, error)
 
     @r.post(PREFIX + "/count_tokens", responses={c: _ERROR for c in (400, 401, 404, 413)})
     async def count_tokens(http: HTTPRequest) -> dict[str, int]:

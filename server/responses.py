@@ -29,12 +29,11 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from specdec.errors import SpecdecError
@@ -42,7 +41,7 @@ from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, T
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
                              ToolChoice)
 
-from .door import Door, Run, RunResponse, extension, request_headers, sampling, sse, tool
+from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
 from .errors import bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES, sse as sse_body
 from .responses_wire import FunctionChoice, NEEDS, UNMODELED, ResponsesRequest
@@ -51,7 +50,6 @@ PREFIX = "/v1/responses"
 PARAMS = {"messages": "input", "constraint": "text.format", "max_tokens": "max_output_tokens",
           "thinking": "reasoning", "tools": "tools", "tool_choice": "tool_choice",
           "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
-Wire = tuple[str, dict[str, Any]]  # one stream event: its type and its data
 # A text item's kind -> its id prefix, empty item, empty content part, and delta event stem.
 KINDS: dict[str, tuple[str, dict[str, Any], dict[str, Any], str]] = {
     "reasoning": ("rs", {"type": "reasoning", "summary": [], "content": []},
@@ -133,12 +131,12 @@ def to_request(body: ResponsesRequest) -> GenerateRequest:
         template_kwargs=body.chat_template_kwargs or {}, **body.engine_fields())
 
 
-def head(body: ResponsesRequest, run: Run, model: str) -> dict[str, Any]:
+def head(body: ResponsesRequest, run: Run) -> dict[str, Any]:
     """The response object's fields that the output does not change (the request echoed)."""
     fmt = body.text.format if body.text and body.text.format else None
     choice = body.tool_choice
     return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": run.created,
-            "model": model, "instructions": body.instructions, "error": None,
+            "model": run.model, "instructions": body.instructions, "error": None,
             "incomplete_details": None, "max_output_tokens": body.max_output_tokens,
             "metadata": (body.model_extra or {}).get("metadata") or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -154,9 +152,10 @@ def head(body: ResponsesRequest, run: Run, model: str) -> dict[str, Any]:
 
 
 @dataclass
-class Writer:
+class Writer(Fold):
     """One run's engine events -> the Responses stream's events, numbered; `items` is the
-    response's `output` so far (the item being written, `open`, is the last)."""
+    response's `output` so far (the item being written, `open`, is the last), `final` the
+    whole response once it finished."""
 
     head: dict[str, Any]
     run: Run
@@ -164,15 +163,27 @@ class Writer:
     seq: int = 0
     open: dict[str, Any] | None = None
     call: int | None = None  # the open function_call item's ToolCallDelta index
+    final: dict[str, Any] | None = None
 
-    def event(self, kind: str, **data: Any) -> Wire:
+    @classmethod
+    def of(cls, body: ResponsesRequest, run: Run) -> Writer:
+        return cls(head(body, run), run)
+
+    def opening(self) -> list[SSEEvent]:
+        return [self.response("response.created"), self.response("response.in_progress")]
+
+    def answer(self) -> dict[str, Any]:
+        assert self.final is not None, "answered before the run finished"
+        return self.final
+
+    def event(self, kind: str, **data: Any) -> SSEEvent:
         self.seq += 1  # data is copied: the items change as text arrives
         return kind, {"type": kind, "sequence_number": self.seq - 1, **copy.deepcopy(data)}
 
-    def response(self, kind: str, status: str = "in_progress", **data: Any) -> Wire:
+    def response(self, kind: str, status: str = "in_progress", **data: Any) -> SSEEvent:
         return self.event(kind, response={**self.head, "status": status, **data})
 
-    def feed(self, ev: Event) -> list[Wire]:
+    def feed(self, ev: Event) -> list[SSEEvent]:
         if isinstance(ev, ReasoningDelta):
             return self._text("reasoning", ev.text)
         if isinstance(ev, TextDelta):
@@ -181,13 +192,13 @@ class Writer:
             return self._call(ev)
         return self._finish(ev) if isinstance(ev, Finished) else self._fail(ev)
 
-    def _add(self, item: dict[str, Any]) -> list[Wire]:
+    def _add(self, item: dict[str, Any]) -> list[SSEEvent]:
         self.items.append(item)
         self.open = item
         return [self.event("response.output_item.added", output_index=len(self.items) - 1,
                            item=item)]
 
-    def _text(self, kind: str, text: str) -> list[Wire]:
+    def _text(self, kind: str, text: str) -> list[SSEEvent]:
         prefix, item, part, name = KINDS[kind]
         out, at = [], len(self.items) - 1
         if self.open is None or self.open["type"] != kind:
@@ -201,7 +212,7 @@ class Writer:
         return out + [self.event(f"{name}.delta", item_id=self.items[at]["id"], output_index=at,
                                  content_index=0, delta=text, **_lp(kind))] if text else out
 
-    def _call(self, ev: ToolCallDelta) -> list[Wire]:
+    def _call(self, ev: ToolCallDelta) -> list[SSEEvent]:
         out = []
         if self.call != ev.index:
             out = self._close("completed") + self._add({
@@ -212,7 +223,7 @@ class Writer:
         return out + [self.event("response.function_call_arguments.delta", delta=ev.arguments,
                                  item_id=self.items[-1]["id"], output_index=len(self.items) - 1)]
 
-    def _close(self, status: str) -> list[Wire]:
+    def _close(self, status: str) -> list[SSEEvent]:
         item, at = self.open, len(self.items) - 1
         if item is None:
             return []
@@ -229,7 +240,7 @@ class Writer:
                               output_index=at, content_index=0, part=part)]
         return out + [self.event("response.output_item.done", output_index=at, item=item)]
 
-    def _finish(self, ev: Finished) -> list[Wire]:
+    def _finish(self, ev: Finished) -> list[SSEEvent]:
         out = self._close("incomplete" if ev.finish_reason == "length" else "completed")
         if ev.finish_reason == "stop" and not any(i["type"] == "message" for i in self.items):
             out += self._text("message", "") + self._close("completed")  # an empty answer
@@ -243,12 +254,15 @@ class Writer:
                           "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                           "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens or 0}}}
         if ev.finish_reason == "length":
-            return out + [self.response("response.incomplete", "incomplete", **done,
-                                        incomplete_details={"reason": "max_output_tokens"})]
-        return out + [self.response("response.completed", "completed", **done,
-                                    completed_at=int(time.time()))]
+            last = self.response("response.incomplete", "incomplete", **done,
+                                 incomplete_details={"reason": "max_output_tokens"})
+        else:
+            last = self.response("response.completed", "completed", **done,
+                                 completed_at=int(time.time()))
+        self.final = last[1]["response"]
+        return out + [last]
 
-    def _fail(self, ev: Failed) -> list[Wire]:
+    def _fail(self, ev: Failed) -> list[SSEEvent]:
         # ResponseError.code is an enum of OpenAI's own codes: ours goes in `specdec`.
         error = {**openai_body(ev.error, PARAMS)["error"], "code": "server_error",
                  "message": message_of(ev.error)}
@@ -265,7 +279,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {200: {
                       "event's JSON")}}, **GENERATE_RESPONSES}
 
 
-def error(e: SpecdecError) -> JSONResponse:
+def error(e: SpecdecError, body: ResponsesRequest | None = None) -> JSONResponse:
     return openai_response(e, PARAMS)
 
 
@@ -273,30 +287,7 @@ def router(door: Door) -> APIRouter:
     api = APIRouter()
 
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
-    async def create(http: Request) -> Any:
-        body = await door.parse(http, ResponsesRequest)
-        seat = door.route(body.model)  # (a model we do not serve first, as before)
-        greq = to_request(body)
-        run = await door.open(greq, http, seat)
-        w = Writer(head(body, run, run.model), run)
-        headers = request_headers(run.request)
-        if body.stream:
-            return RunResponse(run, _stream(w), headers)
-        last: list[Wire] = []
-        async for ev in run.events():
-            if isinstance(ev, Failed):
-                raise ev.error
-            last = w.feed(ev)
-        if run.left or not last:  # the client went away: nobody to answer
-            return JSONResponse({"error": None}, status_code=499)
-        return JSONResponse(last[-1][1]["response"], headers=headers)
+    async def create(http: Request) -> Response:
+        return await door.serve(http, ResponsesRequest, to_request, Writer.of, error)
 
     return api
-
-
-async def _stream(w: Writer) -> AsyncIterator[str]:
-    for kind in ("response.created", "response.in_progress"):
-        yield sse(*w.response(kind))
-    async for ev in w.run.events():
-        for name, data in w.feed(ev):
-            yield sse(name, data)
