@@ -1,8 +1,8 @@
 """The floor under specdec: imports flow one way, shared names are defined once, every error
 is a `SpecdecError` defined in an errors module.
 
-Read from the source (ast), so a function-level import counts like a module-level one; an
-import under `if TYPE_CHECKING:` (annotations only, never executed) does not.
+Read from the source (ast), so a function-level import counts like a module-level one, and
+one under `if TYPE_CHECKING:` too: an annotation that names a module above is an arrow up.
 """
 
 from __future__ import annotations
@@ -23,54 +23,63 @@ PACKAGE = ROOT / "specdec"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"types", "errors", "request", "config"}),  # the floor: names every layer shares
     frozenset({"blas", "convert", "ragged", "reasoning", "lookup", "decode", "sampling",
-               "chat", "grammar", "tools", "models", "distill_data", "budget"}),  # leaves
+               "chat", "grammar", "tools", "models", "distill_data", "budget",
+               "prompt_bound"}),  # leaves
+    frozenset({"request_grammar", "prepare"}),  # a request's grammar, and the prepared request
     frozenset({"speculative", "events", "output", "core"}),  # the decode core
     frozenset({"scheduler", "distributed"}),  # rounds over requests, and replicas of them
-    frozenset({"prepare", "engine"}),  # the door: preparation, models and the scheduler
+    frozenset({"engine"}),  # the door: models, preparation and the scheduler
     frozenset({"cli", "catalog", "distill", "__main__", "__init__"}),  # entry points
 )
 
+# The server's layers, lowest first (it imports specdec freely: specdec never imports it).
+SERVER_LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"errors", "metrics", "openapi"}),  # its floor
+    frozenset({"fleet"}),  # the engines it serves, by model name
+    frozenset({"door"}),  # what every API does with a request
+    frozenset({"chat_wire", "responses_wire", "messages_wire"}),  # each API's wire types
+    frozenset({"chat", "responses", "messages"}),  # each API's routes
+    frozenset({"app", "__init__"}),  # the application
+)
+PACKAGES = {"specdec": LAYERS, "server": SERVER_LAYERS}
 
-def _layer(module: str) -> int:
-    for i, layer in enumerate(LAYERS):
+
+def _layer(module: str, layers: tuple[frozenset[str], ...] = LAYERS) -> int:
+    for i, layer in enumerate(layers):
         if module in layer:
             return i
-    raise AssertionError(f"specdec/{module}.py is in no layer of tests/test_floor.py: place it")
+    raise AssertionError(f"{module}.py is in no layer of tests/test_floor.py: place it")
 
 
-def _imports(path: pathlib.Path, modules: set[str]) -> dict[str, int]:
-    """specdec modules `path` imports (name -> line), module- and function-level, outside
-    `if TYPE_CHECKING:` blocks."""
+def _imports(path: pathlib.Path, modules: set[str], package: str = "specdec"
+             ) -> dict[str, int]:
+    """`package`'s modules `path` imports (name -> line): module- and function-level, and
+    under `if TYPE_CHECKING:` (an annotation's arrow is an arrow)."""
     tree = ast.parse(path.read_text())
-    typing_only: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only.update(id(n) for n in ast.walk(node))
     out: dict[str, int] = {}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         names: list[str] = []
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 or node.module == "specdec" or (
-                    node.module or "").startswith("specdec."):
+            if node.level == 1 or node.module == package or (
+                    node.module or "").startswith(package + "."):
                 mod = node.module or ""
-                mod = mod.removeprefix("specdec").lstrip(".") if node.level == 0 else mod
+                mod = mod.removeprefix(package).lstrip(".") if node.level == 0 else mod
                 names = [mod.split(".")[0]] if mod else [a.name for a in node.names]
             elif node.level > 1:
                 raise AssertionError(f"{path.name}:{node.lineno}: imports from above the package")
         elif isinstance(node, ast.Import):
-            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("specdec.")]
+            names = [a.name.split(".")[1] for a in node.names
+                     if a.name.startswith(package + ".")]
         for n in names:
             if n in modules and n != path.stem:
                 out.setdefault(n, node.lineno)
     return out
 
 
-def _graph() -> dict[str, dict[str, int]]:
-    paths = sorted(PACKAGE.glob("*.py"))
+def _graph(package: str = "specdec") -> dict[str, dict[str, int]]:
+    paths = sorted((ROOT / package).glob("*.py"))
     modules = {p.stem for p in paths}
-    return {p.stem: _imports(p, modules) for p in paths}
+    return {p.stem: _imports(p, modules, package) for p in paths}
 
 
 def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -94,15 +103,18 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return found
 
 
-def test_specdec_imports_have_no_cycle():
-    cycles = _cycles(_graph())
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_have_no_cycle(package):
+    cycles = _cycles(_graph(package))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_specdec_imports_never_reach_up_a_layer():
-    graph = _graph()
-    up = [f"{m}.py:{line} imports {n} (layer {_layer(n)} over {_layer(m)})"
-          for m, deps in graph.items() for n, line in deps.items() if _layer(n) > _layer(m)]
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_never_reach_up_a_layer(package):
+    graph, layers = _graph(package), PACKAGES[package]
+    up = [f"{package}/{m}.py:{line} imports {n} (layer {_layer(n, layers)} over "
+          f"{_layer(m, layers)})" for m, deps in graph.items() for n, line in deps.items()
+          if _layer(n, layers) > _layer(m, layers)]
     assert not up, "upward imports:\n" + "\n".join(up)
 
 
@@ -112,14 +124,15 @@ def test_the_floor_imports_nothing_above_it():
         assert set(graph[m]) <= LAYERS[0], f"{m} imports {sorted(set(graph[m]) - LAYERS[0])}"
 
 
-def test_the_walker_sees_function_level_imports_and_skips_typing_only_ones(tmp_path):
-    # a mutation check on the walker itself: an import inside a function counts, one under
-    # TYPE_CHECKING does not
+def test_the_walker_sees_function_level_and_typing_only_imports(tmp_path):
+    # a mutation check on the walker itself: an import inside a function counts, and so does
+    # one under TYPE_CHECKING
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import Engine\n"
            "def f():\n    from .scheduler import Scheduler\n    import specdec.core\n")
     p = tmp_path / "probe.py"
     p.write_text(src)
-    assert set(_imports(p, {"engine", "scheduler", "core"})) == {"scheduler", "core"}
+    assert set(_imports(p, {"engine", "scheduler", "core", "output"})) == {
+        "engine", "scheduler", "core"}
     assert _cycles({"a": {"b": 1}, "b": {"a": 1}}) == [["a", "b", "a"]]
 
 
@@ -211,3 +224,53 @@ def test_the_private_name_check_sees_imports_module_reads_and_engine_internals(t
     assert _private_crossings(p, strict=False) == [
         "probe.py:1 imports _schema", "probe.py:4 reads ragged._depths"]
     assert "probe.py:5 reads engine._active" in _private_crossings(p, strict=True)
+
+
+def _functions(paths):
+    for p in paths:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield p, node
+
+
+def test_every_matcher_parameter_is_typed():
+    # a grammar's state is an `LLMatcher` or the `types.GrammarState` protocol: never `Any`,
+    # never unannotated
+    found = []
+    for p, fn in _functions(sorted([*PACKAGE.glob("*.py"), *(ROOT / "server").glob("*.py")])):
+        args = fn.args
+        for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+            if "matcher" in a.arg and (a.annotation is None or
+                                       "Any" in ast.unparse(a.annotation)):
+                found.append(f"{p.name}:{fn.lineno} {fn.name}({a.arg})")
+    assert not found, "untyped matcher parameters:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module", ["reasoning", "speculative", "events"])
+def test_no_attribute_is_invisible(module):
+    # no `__getattr__`: what an object has, its class says
+    found = [f"{module}.py:{fn.lineno}" for _, fn in _functions([PACKAGE / f"{module}.py"])
+             if fn.name == "__getattr__"]
+    assert not found, found
+
+
+def test_a_decode_state_has_at_most_twenty_fields():
+    import dataclasses
+
+    from specdec.core import DecodeState
+
+    fields = [f.name for f in dataclasses.fields(DecodeState)]
+    assert len(fields) <= 20, fields
+
+
+def test_no_thread_pool_is_made_at_import():
+    # a pool (or thread) is made by its owner when it is needed, not when a module is imported
+    found = []
+    for p in sorted([*PACKAGE.glob("*.py"), *(ROOT / "server").glob("*.py")]):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.Expr)) and any(
+                    isinstance(c, ast.Call) and any(w in ast.unparse(c.func) for w in (
+                        "ThreadPoolExecutor", "ProcessPoolExecutor", "Thread"))
+                    for c in ast.walk(node)):
+                found.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
