@@ -130,7 +130,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import llguidance.numpy as llnp
-from llguidance import LLMatcher
 import numpy as np
 
 from .errors import Overspent
@@ -195,9 +194,7 @@ def _static_key(b: bytes) -> tuple:
 @dataclass(frozen=True)
 class ClosingOrder:
     """A tokenizer's walk tables: each id's bytes (`token_bytes`), the candidates in their
-    tie order (`candidates`), and the logits width (`vocab_size`); `end`: the tokenizer's end
-    token, where known (checks that a state may end ask llguidance's `validate_tokens`
-    with it, `replays`)."""
+    tie order (`candidates`), and the logits width (`vocab_size`)."""
 
     token_bytes: tuple[bytes, ...]
     candidates: np.ndarray
@@ -207,12 +204,10 @@ class ClosingOrder:
     # the tokenizer's own tokens for some bytes (a closing written anew), if known
     tokenize: Callable[[bytes], list[TokenId]] | None = field(default=None, repr=False,
                                                                compare=False)
-    end: TokenId | None = None
 
     @staticmethod
     def of(token_bytes: Sequence[bytes], vocab_size: int,
-           tokenize: Callable[[bytes], list[TokenId]] | None = None,
-           end: TokenId | None = None) -> "ClosingOrder":
+           tokenize: Callable[[bytes], list[TokenId]] | None = None) -> "ClosingOrder":
         """The tables over ids [0, len(token_bytes)); a special token's bytes are
         llguidance's 0xFF marker and its name (`special`): read as no text."""
         text = [b"" if special(b) else b for b in token_bytes]
@@ -221,7 +216,7 @@ class ClosingOrder:
         ids.sort(key=lambda i: (_static_key(token_bytes[i]), i))
         return ClosingOrder(tuple(text), np.array(ids, dtype=np.int64), vocab_size,
                             specials=frozenset(i for i, b in enumerate(token_bytes)
-                                               if special(b)), tokenize=tokenize, end=end)
+                                               if special(b)), tokenize=tokenize)
 
     def deltas(self, at: Nesting) -> np.ndarray:
         """Each candidate's level change read from `at` (cached by `at`'s string state)."""
@@ -241,9 +236,8 @@ class ClosingOrder:
 def order_of(tokenizer, vocab_size: int) -> ClosingOrder:
     """The walk tables of an `LLTokenizer` (its special tokens' bytes start 0xFF)."""
     n = min(tokenizer.vocab_size, vocab_size)
-    end = tokenizer.eos_token if 0 <= tokenizer.eos_token < vocab_size else None
     return ClosingOrder.of([tokenizer.decode_bytes([i]) for i in range(n)], vocab_size,
-                           lambda b: [int(t) for t in tokenizer.tokenize_bytes(b)], end)
+                           lambda b: [int(t) for t in tokenizer.tokenize_bytes(b)])
 
 
 @dataclass
@@ -308,9 +302,10 @@ def _allowed(matcher: GrammarState, vocab_size: int) -> np.ndarray | None:
     return bits.astype(bool)
 
 
-def _ends_after(matcher: GrammarState, token: TokenId, end: TokenId | None) -> bool:
-    """Whether the grammar may end right after `token` (`end`: as `replays`')."""
-    return replays(matcher, token, (), 1, end)
+def _ends_after(matcher: GrammarState, token: TokenId) -> bool:
+    """Whether the grammar may end right after `token`."""
+    m = matcher.deep_copy()
+    return bool(m.consume_token(token)) and not m.is_error() and bool(m.is_accepting())
 
 
 @dataclass(frozen=True)
@@ -470,8 +465,6 @@ def _forced(m: GrammarState) -> TokenId | None:
     due = m.forcing() if isinstance(m, ThinkingCursor) else None
     if due is not None:
         return int(due)
-    if isinstance(m, LLMatcher) and not m.compute_ff_bytes():
-        return None  # no forced bytes, no forced token (without tokenizing: ~8x cheaper)
     ff = m.compute_ff_tokens()
     return int(ff[0]) if ff else None
 
@@ -503,17 +496,18 @@ def _anew(matcher: GrammarState, order: ClosingOrder, path: list[TokenId]) -> li
             out.append(t)
     if len(out) >= len(path):
         return path
-    if not out:  # (text tokens without bytes only)
-        return out if matcher.is_accepting() else path
-    # (the grammar's check: a thinking matcher forces nothing here)
-    return out if replays(matcher, out[0], out[1:], len(out), order.end) else path
+    m = matcher.deep_copy()  # (the grammar's check: a thinking matcher forces nothing here)
+    for t in out:
+        if not m.consume_token(t) or m.is_error():
+            return path
+    return out if m.is_accepting() else path
 
 
 def _greedy_step(m, ok: np.ndarray, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
                  at: Place) -> TokenId:
     """The walk's step where the grammar forces nothing (steps 2 to 4 of the walk)."""
     few = np.flatnonzero(ok) if ok.sum() <= FEW else ()
-    ends = [int(i) for i in few if _ends_after(m, int(i), order.end)]
+    ends = [int(i) for i in few if _ends_after(m, int(i))]
     if ends:
         return ends[0]
     hinted = _hinted(m, order, hints, at.tail) if hints else None
@@ -629,17 +623,11 @@ def need(matcher: GrammarState, order: ClosingOrder, limit: int = NEED_LIMIT, at
     return None if walk is None else len(walk)
 
 
-def replays(matcher: GrammarState, token: TokenId, path: Sequence[TokenId], left: int,
-            end: TokenId | None = None) -> bool:
+def replays(matcher: GrammarState, token: TokenId, path: Sequence[TokenId], left: int) -> bool:
     """Whether `path` (at most `left` tokens) takes the grammar from the state after `token`
-    to where it may end (`matcher` untouched). `end`: an end token; with one, an `LLMatcher`
-    answers without a copy: the tokens and then `end` are valid exactly where taking the
-    tokens leaves a state that may end (llguidance's `validate_tokens`, ~30x cheaper than
-    consuming them on a copy; tests/test_budget_search.py compares the two)."""
+    to where it may end (`matcher` untouched)."""
     if len(path) > left:
         return False
-    if end is not None and isinstance(matcher, LLMatcher):
-        return matcher.validate_tokens([token, *path, end]) == len(path) + 2
     m = matcher.deep_copy()
     for t in (token, *path):
         if not m.consume_token(int(t)) or m.is_error():
@@ -676,10 +664,10 @@ def closing_after(matcher: GrammarState, token: TokenId, order: ClosingOrder, le
     if known:
         if token == known[0] and len(known) - 1 <= left:
             return list(known[1:])
-        if replays(matcher, token, known, left, order.end):
+        if replays(matcher, token, known, left):
             return list(known)
         rest = _rest(order, token, known)
-        if rest is not None and replays(matcher, token, rest, left, order.end):
+        if rest is not None and replays(matcher, token, rest, left):
             return rest
     m = matcher.deep_copy()
     if not m.consume_token(token) or m.is_error():

@@ -64,32 +64,6 @@ def test_the_walk_alone_never_leaves_a_repeated_alternation(engine, order, monke
     assert closing(g.matcher(), order, budget.NEED_LIMIT) is None
 
 
-@pytest.mark.parametrize("kind", ["contact", "nested", "long_enum", "pattern_alternation"])
-def test_a_replay_checked_by_validation_agrees_with_one_consumed_on_a_copy(engine, order, kind):
-    # `replays` with an end token (the walk's checks that a state may end, `_ends_after`,
-    # and the closing written anew use it too) asks llguidance's validate_tokens instead of
-    # consuming on a copy: the two answers are the same for every state along the closing
-    # and every path tried there (the closing's rest, cut short, run on, after another
-    # token, and none)
-    import random
-
-    rng = random.Random(kind)
-    eos = order.end
-    assert eos is not None and eos in engine.target.eos_token_ids
-    g = engine.compiler.compile(Constraint.json_schema(KINDS[kind]))
-    walk = closing(g.matcher(), order, budget.NEED_LIMIT)
-    m, answers = g.matcher(), set()
-    for i in range(len(walk)):
-        rest = walk[i:]
-        for token in (rest[0], rng.randrange(engine.target.vocab_size)):
-            for path in (rest[1:], rest[1:-1], rest, rest[1:] + rest[-1:], []):
-                want = budget.replays(m, token, path, 10 ** 6)
-                assert budget.replays(m, token, path, 10 ** 6, eos) == want, (i, token, path)
-                answers.add(want)
-        m.consume_token(walk[i])
-    assert answers == {True, False}  # both answers were met
-
-
 def _exhaustive(compiler, grammar, eos, limit: int, cap: int = 20000) -> int | None:
     """The fewest tokens of any complete answer (over the whole vocabulary), breadth-first;
     states are told apart by their output bytes (a grammar state is a function of them)."""
