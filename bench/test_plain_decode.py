@@ -47,7 +47,7 @@ def test_plain_constrained_vs_unconstrained(benchmark, engine):
     step_ms = 1e3 / un.median_tok_s
     results.add("visible_mask_overhead_fraction_of_step", statistics.median(visible) / step_ms,
                 "fraction", f"of an unconstrained decode step ({step_ms:.1f} ms)")
-    per_token_mask = [s.mask_s / s.completion_tokens for s in co.stats]
+    per_token_mask = [s.counters.mask_s / s.completion_tokens for s in co.stats]
     results.add("mask_fill_ms_per_token", statistics.median(per_token_mask) * 1e3, "ms",
                 "host llguidance fill per constrained token (median over prompts)")
     assert un.median_tok_s > 0 and co.median_tok_s > 0

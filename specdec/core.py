@@ -164,13 +164,12 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     eos = frozenset(eos_token_ids)
     grammar = None
     if matcher is not None:
-        rule = None
+        grammar = RequestGrammar(matcher)  # (raises where the state already failed)
         if req.closing is not None:
             assert req.closing.order is not None, \
                 "a replica's request: Engine.new_state builds it"
-            rule = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, eos,
-                              req.closing.hints)
-        grammar = RequestGrammar(matcher, rule)
+            grammar.rule = BudgetRule(req.closing.order, max_tokens, req.closing.minimum, eos,
+                                      req.closing.hints)
     # The most positions it can hold: a slab slot, or storage of its own when that is more
     # than a slot holds (`ragged.SLOT_POSITIONS`), so one long request sizes no other's.
     horizon = len(prompt) + max_tokens + (spec.cheap_k + spec.tree + 1 if spec is not None

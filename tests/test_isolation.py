@@ -88,7 +88,9 @@ def rounds_of_others(log: list[float]) -> Any:
     run_round = scheduler.run_round
 
     def logged(models: Any, states: Any, *args: Any) -> None:
-        others = any(s.ready and not isinstance(s.grammar.state, SlowMasks) for s in states)
+        others = any(s.ready and not (s.grammar is not None
+                                      and isinstance(s.grammar.state, SlowMasks))
+                     for s in states)
         run_round(models, states, *args)
         if others:
             log.append(time.perf_counter())
