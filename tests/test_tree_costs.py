@@ -182,7 +182,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
         outs[t.key] = t.output
     while leader.active or leader.queue_depth:
         assert leader.pump()
-    assert sum(o.stats.counters.branched for o in outs.values()) > 0  # rank 0 branched
+    assert sum(o.stats.branched for o in outs.values()) > 0  # rank 0 branched
     assert any(d.tree_min_score is not None for d in published[1:])  # and said when
 
     copies: dict[int, Out] = {}
@@ -199,5 +199,5 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
     channel = SimpleNamespace(rank=1, recv=lambda: next(sent))
     assert distributed.follow(replica, channel, max_batch=4) == 0
     assert {k: o.tokens for k, o in copies.items()} == {k: o.tokens for k, o in outs.items()}
-    assert ({k: o.stats.counters.branched for k, o in copies.items()}
-            == {k: o.stats.counters.branched for k, o in outs.items()})
+    assert ({k: o.stats.branched for k, o in copies.items()}
+            == {k: o.stats.branched for k, o in outs.items()})
