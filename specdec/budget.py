@@ -131,6 +131,7 @@ from dataclasses import dataclass, field
 
 import llguidance.numpy as llnp
 import numpy as np
+from llguidance import LLMatcher
 
 from .errors import Overspent
 from .reasoning import ThinkingCursor
@@ -302,6 +303,28 @@ def _allowed(matcher: GrammarState, vocab_size: int) -> np.ndarray | None:
     return bits.astype(bool)
 
 
+def _takes(m: GrammarState, tokens: Sequence[TokenId]) -> bool:
+    """Whether `m` takes `tokens` in turn (advancing it): the answer of consuming each. An
+    `LLMatcher` checks each token before consuming it (`try_consume_tokens`), since a refused
+    consume costs llguidance an error state and its message (~10x a taken token), and most
+    replays that fail, fail so. The check refuses an end token where consuming takes it
+    (and stops the matcher): a refused token where the grammar may end is consumed as
+    usual. tests/test_budget_search.py compares the two."""
+    toks = [int(t) for t in tokens]
+    if isinstance(m, ThinkingCursor):
+        return all(m.consume_token(t) for t in toks) and not m.is_error()
+    while toks:
+        n = m.try_consume_tokens(toks)
+        if m.is_error():
+            return False
+        if n == len(toks):
+            return True
+        if not m.is_accepting() or not m.consume_token(toks[n]) or m.is_error():
+            return False
+        toks = toks[n + 1:]
+    return True
+
+
 def _ends_after(matcher: GrammarState, token: TokenId) -> bool:
     """Whether the grammar may end right after `token`."""
     m = matcher.deep_copy()
@@ -338,10 +361,10 @@ def _hinted(matcher: GrammarState, order: ClosingOrder, hints: Sequence[Sequence
     for h in hints:
         for k in _starts(tail, h):
             m = matcher.deep_copy()
-            if not all(m.consume_token(int(t)) for t in h[k:]) or m.is_error():
+            if not _takes(m, h[k:]):
                 continue
             ok = _allowed(m, order.vocab_size)
-            if ok is not None and (m.is_accepting() or ok.sum() <= FEW):
+            if ok is not None and (m.is_accepting() or np.count_nonzero(ok) <= FEW):
                 return int(h[k])
     return None
 
@@ -465,6 +488,8 @@ def _forced(m: GrammarState) -> TokenId | None:
     due = m.forcing() if isinstance(m, ThinkingCursor) else None
     if due is not None:
         return int(due)
+    if isinstance(m, LLMatcher) and not m.compute_ff_bytes():
+        return None  # no forced bytes, no forced token (without the tokenizer's call)
     ff = m.compute_ff_tokens()
     return int(ff[0]) if ff else None
 
@@ -497,19 +522,16 @@ def _anew(matcher: GrammarState, order: ClosingOrder, path: list[TokenId]) -> li
     if len(out) >= len(path):
         return path
     m = matcher.deep_copy()  # (the grammar's check: a thinking matcher forces nothing here)
-    for t in out:
-        if not m.consume_token(t) or m.is_error():
-            return path
-    return out if m.is_accepting() else path
+    return out if _takes(m, out) and m.is_accepting() else path
 
 
 def _greedy_step(m, ok: np.ndarray, order: ClosingOrder, hints: Sequence[Sequence[TokenId]],
                  at: Place) -> TokenId:
     """The walk's step where the grammar forces nothing (steps 2 to 4 of the walk)."""
-    few = np.flatnonzero(ok) if ok.sum() <= FEW else ()
-    ends = [int(i) for i in few if _ends_after(m, int(i))]
-    if ends:
-        return ends[0]
+    few = np.flatnonzero(ok) if np.count_nonzero(ok) <= FEW else ()
+    end = next((int(i) for i in few if _ends_after(m, int(i))), None)
+    if end is not None:
+        return end
     hinted = _hinted(m, order, hints, at.tail) if hints else None
     if hinted is not None:
         return hinted
@@ -580,7 +602,7 @@ def search(matcher: GrammarState, order: ClosingOrder, limit: int, at: Place = P
                 if ok is None:
                     continue
                 tokens = alphabet[ok[alphabet]].tolist()
-                if ok.sum() <= FEW:
+                if np.count_nonzero(ok) <= FEW:
                     listed = set(tokens)
                     tokens += [int(i) for i in np.flatnonzero(ok) if int(i) not in listed]
                 for h in hints:
@@ -629,10 +651,7 @@ def replays(matcher: GrammarState, token: TokenId, path: Sequence[TokenId], left
     if len(path) > left:
         return False
     m = matcher.deep_copy()
-    for t in (token, *path):
-        if not m.consume_token(int(t)) or m.is_error():
-            return False
-    return bool(m.is_accepting())
+    return _takes(m, (token, *path)) and bool(m.is_accepting())
 
 
 def _rest(order: ClosingOrder, token: TokenId, known: Sequence[TokenId]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import re
 import threading
@@ -295,10 +296,17 @@ def text_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int]
 
     class _Text(_Greedy):
         def __call__(self, s: str) -> list[int]:
-            ids = text.encode(s, add_special_tokens=False).ids
-            # A model whose text pieces include a special id (an unknown-piece token, byte
-            # pieces registered as special): spell it with text tokens instead.
-            return ids if special_set.isdisjoint(ids) else greedy.greedy_tokenize(s)
+            return list(kept(s) if len(s) <= 256 else spelled(s))
+
+    def spelled(s: str) -> tuple[int, ...]:
+        ids = text.encode(s, add_special_tokens=False).ids
+        # A model whose text pieces include a special id (an unknown-piece token, byte
+        # pieces registered as special): spell it with text tokens instead.
+        return tuple(ids if special_set.isdisjoint(ids) else greedy.greedy_tokenize(s))
+
+    # A pure function of the text, asked again and again for the same few short strings (a
+    # grammar's forced bytes, at each step of a closing walk): kept.
+    kept = functools.lru_cache(maxsize=4096)(spelled)
 
     # The fallback spells text with a second LLTokenizer over the same tokens: were it `llt`
     # itself, `llt` would hold (in Rust, which Python's collector cannot see) a callback

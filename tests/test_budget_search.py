@@ -64,6 +64,76 @@ def test_the_walk_alone_never_leaves_a_repeated_alternation(engine, order, monke
     assert closing(g.matcher(), order, budget.NEED_LIMIT) is None
 
 
+# Grammars whose states the walk's shortcuts must read exactly as consuming does: JSON
+# schemas of every closing kind, a choice, a lexeme with max_tokens, a stop= lexeme, and an
+# ambiguous grammar.
+TAKES = [Constraint.json_schema(KINDS[k]) for k in sorted(KINDS)] + [
+    Constraint("choice", ["yes", "no", "maybe"]),
+    Constraint("grammar", 'start: a " " b\na[max_tokens=2]: /[a-z]+/\nb: /[0-9]+/'),
+    Constraint("grammar", 'start: x "!"\nx[stop="END"]: /[a-z ]*/'),
+    Constraint("grammar", 'start: e\ne: e e | /[a-z]/')]
+
+
+def test_the_walks_shortcuts_answer_as_consuming_does(engine):
+    """`budget._takes` (llguidance's check before each consume) against consuming token by
+    token, and "no forced bytes, no forced token", from random states of every grammar
+    above: token runs the grammar allows, with random tokens and end tokens mixed in."""
+    import random
+
+    import llguidance.numpy as llnp
+    import numpy as np
+
+    vocab = engine.target.vocab_size
+    ends = sorted(engine.target.eos_token_ids)
+    rng = random.Random(7)
+    row = llnp.allocate_token_bitmask(1, vocab)
+
+    def allowed(m) -> np.ndarray:
+        llnp.fill_next_token_bitmask(m, row, 0)
+        return np.flatnonzero(np.unpackbits(row[0].view(np.uint8), bitorder="little")[:vocab])
+
+    def consumed(m, toks) -> bool:
+        for t in toks:
+            if not m.consume_token(t) or m.is_error():
+                return False
+        return True
+
+    compared = took = 0
+    for c in TAKES:
+        base = engine.compiler.compile(c).matcher()
+        for _ in range(12):
+            m = base.deep_copy()
+            for _ in range(rng.randint(0, 20)):
+                ok = allowed(m)
+                if not len(ok):
+                    break
+                m.consume_token(int(rng.choice(ok)))
+            if not m.compute_ff_bytes():
+                assert not m.compute_ff_tokens(), c
+            for _ in range(6):
+                seq, probe = [], m.deep_copy()
+                for _ in range(rng.randint(1, 10)):
+                    r = rng.random()
+                    if r < 0.1:
+                        seq.append(rng.randrange(vocab))
+                        continue
+                    ok = allowed(probe)
+                    if r < 0.2 or not len(ok):
+                        seq.append(rng.choice(ends))
+                        continue
+                    seq.append(int(rng.choice(ok)))
+                    probe.consume_token(seq[-1])
+                a, b = m.deep_copy(), m.deep_copy()
+                want = consumed(a, seq)
+                assert budget._takes(b, seq) == want, (c, seq)
+                if want:
+                    assert (a.is_accepting(), a.is_stopped()) == (b.is_accepting(),
+                                                                  b.is_stopped()), (c, seq)
+                compared += 1
+                took += want
+    assert compared == len(TAKES) * 12 * 6 and 0 < took < compared
+
+
 def _exhaustive(compiler, grammar, eos, limit: int, cap: int = 20000) -> int | None:
     """The fewest tokens of any complete answer (over the whole vocabulary), breadth-first;
     states are told apart by their output bytes (a grammar state is a function of them)."""
