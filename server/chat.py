@@ -320,7 +320,8 @@ def usage_of(ev: Finished) -> dict[str, Any]:
     u = ev.usage
     out: dict[str, Any] = {"prompt_tokens": u.prompt_tokens,
                            "completion_tokens": u.completion_tokens,
-                           "total_tokens": u.total_tokens}
+                           "total_tokens": u.total_tokens,
+                           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
     if u.reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
     return out

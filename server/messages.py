@@ -309,7 +309,13 @@ def stop_of(ev: Finished) -> tuple[str, str | None]:
 
 
 def usage(ev: Finished) -> dict[str, Any]:
-    u: dict[str, Any] = {"input_tokens": ev.usage.prompt_tokens,
+    """Anthropic's usage: the prompt's tokens read from the prompt store are
+    `cache_read_input_tokens`, the others `input_tokens` (their sum is the prompt, as
+    Anthropic counts a cached prompt); nothing is written on request
+    (`cache_creation_input_tokens` 0: every prompt is kept, no `cache_control` asked)."""
+    cached = ev.usage.cached_tokens
+    u: dict[str, Any] = {"input_tokens": ev.usage.prompt_tokens - cached,
+                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
                          "output_tokens": ev.usage.completion_tokens}
     if ev.usage.reasoning_tokens is not None:
         u["output_tokens_details"] = {"thinking_tokens": ev.usage.reasoning_tokens}

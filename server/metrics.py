@@ -28,6 +28,10 @@ class Metrics:
             "budget_steered_tokens_total": 0, "budget_unguaranteed_total": 0,
             "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
             "requests_rejected_total": 0,
+            # the prompt store: requests that restored part of their prompt, and the prompt
+            # positions restored and computed
+            "prompt_cache_hits_total": 0, "prompt_tokens_cached_total": 0,
+            "prompt_tokens_computed_total": 0,
         }
 
     def add(self, **kv: float) -> None:
@@ -38,7 +42,10 @@ class Metrics:
     def observe(self, prompt_tokens: int, completion_tokens: int, stats: SpecStats,
                 seconds: float, unguaranteed: bool = False) -> None:
         """One finished request; `unguaranteed`: it was served without the budget rule."""
-        self.add(budget_unguaranteed_total=int(unguaranteed), prompt_tokens_total=prompt_tokens,
+        cached = min(stats.prompt_cached, prompt_tokens)
+        self.add(prompt_cache_hits_total=int(cached > 0), prompt_tokens_cached_total=cached,
+                 prompt_tokens_computed_total=prompt_tokens - cached,
+                 budget_unguaranteed_total=int(unguaranteed), prompt_tokens_total=prompt_tokens,
                  completion_tokens_total=completion_tokens,
                  draft_proposed_total=stats.proposed, draft_accepted_total=stats.accepted,
                  **{source_metric(k): v for k, v in stats.source_counts().items()},

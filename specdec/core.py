@@ -232,6 +232,8 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
     t0 = time.perf_counter()
     head = list(s.prompt[:-1])
     fill = kv_store.prefill if kv_store is not None else prefill_tokens
+    if kv_store is not None and kv_store.has(models.target, head):
+        s.stats.prompt_cached = len(head)
     fill(models.target, head, s.t_cache)
     if s.d_cache:
         fill(models.draft, head, s.d_cache)
@@ -259,6 +261,7 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
         if at == 0 and kv_store is not None:
             t0 = time.perf_counter()
             at = _restore_prefix(models, s, head, kv_store)
+            s.stats.prompt_cached = at
             s.to_prefill = len(head) - at
             s.stats.prefill_s += time.perf_counter() - t0
             if s.to_prefill == 0:
@@ -285,6 +288,28 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
             kv_store.store(models.target, head, s.t_cache)
             if s.d_cache:
                 kv_store.store(models.draft, head, s.d_cache)
+
+
+def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache) -> None:
+    """Keep a finished request's KV state, prompt and answer (the positions its caches
+    hold: `seq`'s first ones), in the prompt store, target and draft: a conversation's next
+    turn sends them back (the answer as its template renders it in the history) and
+    restores them rather than computing them again (`PromptKVCache.restore_prefix`, up to
+    where the rendered history and the generated tokens part). Only caches of plain
+    per-position keys and values (`ragged.exact_prefix`), which restore any prefix of it;
+    the state of the prompt alone, stored at its prefill, is then dropped (a prefix of
+    this one)."""
+    for model, cache in ((models.target, s.t_cache), (models.draft, s.d_cache)):
+        if not cache or not ragged.exact_prefix(cache):
+            continue
+        n = min(int(cache[0].offset), len(s.seq))
+        if n < len(s.prompt):
+            continue  # nothing past the prompt's own state
+        for c in cache:  # rows past the output (a last round's unaccepted proposals) go
+            if c.offset > n:
+                c.trim(c.offset - n)
+        kv_store.store(model, s.seq[:n], cache)
+        kv_store.drop(model, s.prompt[:-1])
 
 
 def _restore_prefix(models: Models, s: DecodeState, head: list[TokenId],

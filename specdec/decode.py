@@ -32,6 +32,8 @@ class StepTimings:
         mask_max_s: the slowest one fill since the scheduler last looked (`core`'s budget).
         wait_s: host blocked waiting for the device to produce the sampled token.
         steps: decode steps run.
+        prompt_cached: prompt positions restored from the prompt store, not computed (what
+            the APIs report as cached tokens).
     """
 
     prefill_s: float = 0.0
@@ -40,6 +42,7 @@ class StepTimings:
     round_mask_s: float = 0.0  # fills in the current round (its budget: `config.MaskBudget`)
     wait_s: float = 0.0
     steps: int = 0
+    prompt_cached: int = 0
 
 
 def prefill(model: nn.Module, prompt: Sequence[TokenId], cache: list, chunk: int = PREFILL_CHUNK
@@ -138,6 +141,12 @@ class PromptKVCache:
         """Forget every stored state."""
         self._entries.clear()
         self.nbytes = 0
+
+    def drop(self, model: nn.Module, prompt: Sequence[TokenId]) -> None:
+        """Forget the state of (model, prompt), where one is stored."""
+        old = self._entries.pop((id(model), tuple(prompt)), None)
+        if old is not None:
+            self.nbytes -= _entry_bytes(old)
 
     def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> None:
         """Keep a copy of `cache` (which holds exactly `prompt`) for later requests."""

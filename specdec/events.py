@@ -70,6 +70,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int | None = None  # of completion_tokens; None: not a thinking request
+    cached_tokens: int = 0  # of prompt_tokens: positions restored from the prompt store
 
     @property
     def total_tokens(self) -> int:

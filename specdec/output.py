@@ -251,7 +251,8 @@ class Output:
             counters=counters, seconds=seconds)
         done = Finished(finish, answer, reasoning, calls, tokens,
                         tuple(x for x in self.logprobs[:kept] if x is not None),
-                        Usage(self.prompt_tokens, kept, n_reasoning), stats, self.warnings,
+                        Usage(self.prompt_tokens, kept, n_reasoning,
+                              min(counters.prompt_cached, self.prompt_tokens)), stats, self.warnings,
                         self.text.stopped_by)
         self.sink(done)
         return done

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import ragged
-from .core import (DecodeState, Models, decode_plainly, mask_decisions, prefill_arrivals,
-                   run_round)
+from .core import (DecodeState, Models, decode_plainly, keep_answer, mask_decisions,
+                   prefill_arrivals, run_round)
 from .decode import PromptKVCache
-from .errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull,  # noqa: F401
-                     SchedulerStopped, SpecdecError)
+from .errors import (Cancelled, DeadlineExceeded, GrammarTooComplex,  # noqa: F401
+                     InternalError, QueueFull, SchedulerStopped, SpecdecError)
 from .output import Output
 from .prepare import Request
 from .speculative import TREE_MIN_SCORE
@@ -456,6 +456,11 @@ class Scheduler:
             if error is None and s.suffixes is not None:  # it proposes for later answers
                 store, key = s.suffixes
                 store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
+            if error is None and self.kv_store is not None:
+                keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
+            if isinstance(error, GrammarTooComplex) and s.stats.rounds <= 1 and \
+                    t.request.grammar is not None:
+                t.request.grammar.evict()  # too costly at its first step: not kept
             t.state.release()
             if not self._active or t.request.kv_positions > ragged.SLOT_POSITIONS:
                 mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now

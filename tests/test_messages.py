@@ -59,8 +59,10 @@ def test_stream_text_joins_to_the_non_streamed_answer(client):
         final = s.get_final_message()
     assert streamed == whole.content[0].text == final.content[0].text
     assert final.stop_reason == whole.stop_reason
-    assert (final.usage.input_tokens, final.usage.output_tokens) == (
-        whole.usage.input_tokens, whole.usage.output_tokens)
+    # (the prompt: its tokens read from the prompt store and those computed)
+    prompt = [m.usage.input_tokens + m.usage.cache_read_input_tokens for m in (final, whole)]
+    assert prompt[0] == prompt[1] and final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.cache_read_input_tokens > 0  # the same prompt again
 
 
 class Colour(BaseModel):
@@ -95,7 +97,7 @@ def test_forced_tool_call_is_a_tool_use_block(client, choice, tool):
 def test_count_tokens_matches_the_prompt_a_message_is_given(client):
     n = client.messages.count_tokens(model="default", messages=ASK, system="You are terse.")
     m = create(client, max_tokens=1, system="You are terse.")
-    assert n.input_tokens == m.usage.input_tokens > 0
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
 
 
 def test_missing_max_tokens_is_a_400_in_anthropics_shape(server):
