@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec.engine import Engine
 from specdec.errors import InternalError, SpecdecError
 
-from . import chat, messages, responses
+from . import chat, conversations, messages, responses
 from .door import Door, ServeConfig
 from .errors import WireError, bad_request, ref_of
 from .fleet import Fleet, Seat
@@ -33,7 +33,8 @@ from .metrics import Metrics
 from .openapi import Health, ModelCard, ModelList, error_responses, openapi
 
 log = logging.getLogger("specdec.server")
-APIS = (messages, responses, chat)  # each: PREFIX, REQUEST_BODIES, router(door), error(e)
+# each: PREFIX, REQUEST_BODIES, router(door), error(e)
+APIS = (messages, responses, conversations, chat)
 
 
 def api_of(path: str) -> Any:
@@ -119,6 +120,14 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
                               ch.collective_s if ch is not None else None)
         if len(fleet.seats) > 1:
             text += model_metrics(fleet)
+            text += "\n".join([  # requests waiting for room for their model
+                "# TYPE specdec_model_waiting gauge", f"specdec_model_waiting {fleet.waiting}",
+                "# TYPE specdec_model_waits_total counter",
+                f"specdec_model_waits_total {fleet.waits}",
+                "# TYPE specdec_model_wait_seconds_total counter",
+                f"specdec_model_wait_seconds_total {fleet.wait_s:g}",
+                "# TYPE specdec_model_wait_timeouts_total counter",
+                f"specdec_model_wait_timeouts_total {fleet.wait_timeouts}"]) + "\n"
         text += grammar_metrics(fleet)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -52,6 +52,7 @@ from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, Sampling
 from .errors import WireError, bad_request, ref_of, wire_param
 from .fleet import Fleet, Seat
 from .metrics import Metrics
+from .store import Bounds, Store
 
 M = TypeVar("M", bound=BaseModel)
 B = TypeVar("B", bound=BaseModel)  # an API's body: it names `model` and `stream`
@@ -195,6 +196,9 @@ class ServeConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     max_json_depth: int = 128
     channel: Any = field(default=None, compare=False)  # a sharded target's broadcast
+    # where stored responses and conversations go: an SQLite file, "memory" or "none"
+    store: str = "memory"
+    store_bounds: Bounds = Bounds()
 
 
 class Bounded:
@@ -260,6 +264,9 @@ class Door:
 
     def __init__(self, fleet: Fleet, config: ServeConfig, metrics: Metrics) -> None:
         self.fleet, self.config, self.metrics = fleet, config, metrics
+        self.store = (None if config.store == "none" else
+                      Store(":memory:" if config.store == "memory" else config.store,
+                            config.store_bounds))
         waiting = max(config.max_queue, 1)
         self.prepares = Bounded(PREPARE_WORKERS, waiting, "specdec-prepare", "prepared")
         self.parses = Bounded(PARSE_WORKERS, waiting, "specdec-parse", "read")
@@ -464,6 +471,8 @@ class Door:
         self.fleet.close()
         self.prepares.close()
         self.parses.close()
+        if self.store is not None:
+            self.store.close()
 
 
 async def _stream(run: Run, fold: Fold) -> AsyncIterator[str]:

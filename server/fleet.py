@@ -14,11 +14,19 @@ A request holds a lease on its model from routing to its last event (`Door.open`
 `Run.close`): a model with a lease, or with requests in its scheduler, is busy and never
 unloaded. Loads run one at a time on a thread of their own; concurrent first requests for a
 model wait on its one load.
+
+A request for a model that cannot load yet (no room, and the models that hold it busy)
+waits in one FIFO queue until they are idle, then swaps them out: at most `load_wait_s`
+(`--load-wait`) and its own time limit, then a 503 `models_busy`. While anyone waits, a
+new request joins the queue behind them, whatever its model (a model in steady use cannot
+starve a waiting one). Only where waiting cannot help (the models in the way are pinned)
+is the 503 at once. `waiting`, `waits`, `wait_s` and `wait_timeouts` are for /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import gc
 import json
@@ -40,6 +48,17 @@ from .errors import WireError
 
 log = logging.getLogger("specdec.server")
 REAP_EVERY_S = 1.0  # how often idle models are checked against their TTL
+LOAD_WAIT_S = 120.0  # the longest a request waits for room for its model (--load-wait)
+WAIT_POLL_S = 0.05  # how often a waiting request looks again
+
+
+class NoRoom(ModelsBusy):
+    """No room for a model now; `waitable`: unpinned models hold it, and room comes once
+    they are idle."""
+
+    def __init__(self, message: str, waitable: bool) -> None:
+        super().__init__(message)
+        self.waitable = waitable
 
 
 @dataclass(eq=False)
@@ -174,11 +193,14 @@ class Fleet:
 
     def __init__(self, catalog: Catalog, loader: Callable[[ModelSpec], Engine],
                  max_loaded: int | None = None, loaded: dict[str, Engine] | None = None,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, load_wait_s: float = LOAD_WAIT_S) -> None:
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"--max-loaded {max_loaded}: at least 1")
         self.catalog, self.loader, self.max_loaded = catalog, loader, max_loaded
-        self.memory_budget = memory_budget
+        self.memory_budget, self.load_wait_s = memory_budget, load_wait_s
+        self._queue: collections.deque[object] = collections.deque()  # waiting requests
+        self.waits = self.wait_timeouts = 0
+        self.wait_s = 0.0
         loaded = loaded or {}
         self.seats = []
         for spec in catalog.models:
@@ -247,24 +269,54 @@ class Fleet:
         return seat if seat is not None and seat.engine is not None else None
 
     # -- leases and loads ----------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room for their model."""
+        return len(self._queue)
+
     async def acquire(self, seat: Seat, timeout_s: float | None = None) -> Engine:
         """Lease `seat` for a request and return its engine, loading it first when it is not
-        (one load however many requests wait on it, within `timeout_s`).
+        (one load however many requests wait on it, within `timeout_s`); where there is no
+        room yet, wait in the queue (module docstring) at most `load_wait_s` and
+        `timeout_s`.
 
         Raises:
             ModelLoadError: the load failed (the next request tries again). ModelsBusy:
-                no room (every loaded model busy or pinned). DeadlineExceeded: the wait
-                ran out.
+                no room, and the wait ran out (or waiting cannot help: pinned models hold
+                it). DeadlineExceeded: the load did not finish within `timeout_s`.
         """
-        with self._lock:
-            seat.leases += 1
-            seat.last_used = time.monotonic()
-            engine = seat.engine
-            try:
-                job = None if engine is not None else self._load_job(seat)
-            except BaseException:
-                seat.leases -= 1
-                raise
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        wait = self.load_wait_s if timeout_s is None else min(self.load_wait_s, timeout_s)
+        ticket: object | None = None
+        try:
+            while True:
+                with self._lock:
+                    if (self._queue[0] is ticket) if self._queue else ticket is None:
+                        try:
+                            engine, job = self._lease(seat)
+                            break
+                        except NoRoom as e:
+                            if not e.waitable:
+                                raise
+                            if loop.time() - start >= wait:
+                                self.wait_timeouts += 1
+                                raise ModelsBusy(f"{e} (waited {loop.time() - start:.3g}s "
+                                                 "for room)") from None
+                    if ticket is None:
+                        ticket = object()
+                        self._queue.append(ticket)
+                        self.waits += 1
+                    elif loop.time() - start >= wait:  # behind others, out of time
+                        self.wait_timeouts += 1
+                        raise ModelsBusy(f"model {seat.name!r} waited {wait:g}s behind "
+                                         f"{self._queue.index(ticket)} requests for room")
+                await asyncio.sleep(WAIT_POLL_S)
+        finally:
+            if ticket is not None:
+                with self._lock:
+                    self._queue.remove(ticket)
+                    self.wait_s += loop.time() - start
         if job is None:
             return engine
         try:
@@ -275,6 +327,16 @@ class Fleet:
                                    f"time limit ({timeout_s:g}s)") from None
         except BaseException:
             self.release(seat)
+            raise
+
+    def _lease(self, seat: Seat) -> tuple[Engine | None, Future[Engine] | None]:
+        """A lease on `seat` (the caller holds `_lock`): its engine, or its load's job."""
+        seat.leases += 1
+        seat.last_used = time.monotonic()
+        try:
+            return seat.engine, None if seat.engine is not None else self._load_job(seat)
+        except BaseException:
+            seat.leases -= 1
             raise
 
     def release(self, seat: Seat) -> None:
@@ -306,8 +368,12 @@ class Fleet:
         while (why := full()) is not None:
             idle = [s for s in resident if s.engine is not None and self._idle(s)]
             if not idle:
-                raise ModelsBusy(f"model {seat.name!r} cannot load: {why}, and every loaded "
-                                 "model is in use or pinned")
+                later = [s for s in resident if not s.pinned]  # idle once their requests end
+                fits = (most is None or len(resident) - len(later) < most) and (
+                    budget is None or sum(s.bytes for s in resident if s.pinned) + seat.bytes
+                    <= budget)
+                raise NoRoom(f"model {seat.name!r} cannot load: {why}, and every loaded "
+                             "model is in use or pinned", waitable=bool(later) and fits)
             victim = min(idle, key=lambda s: s.last_used)
             self._unload(victim, "to make room for " + repr(seat.name))
             resident.remove(victim)

@@ -8,10 +8,16 @@ items, so a streamed and a plain response cannot differ: a `reasoning` item
 (`output_text`), or `function_call` items. Finish "length" is status "incomplete" (reason
 max_output_tokens); a failure mid-stream is `response.failed` (before it: an error status).
 
-Stateless: nothing is stored. `store` absent or false is accepted (the openai and Agents
-SDKs send it only when the caller sets it) and the response says `"store": false`;
-`store: true`, `previous_response_id`, `conversation` and `item_reference` items are a 400,
-so a client relying on stored state learns so on its first turn, not its second.
+Stored, as OpenAI's: a response is kept (`store` absent or true; `false`: not) with the
+context it answered (`server.store`), once it has finished (completed or incomplete; a
+failed or abandoned one is not kept, nor is anything of it added to its conversation).
+`previous_response_id` continues a stored response: its input and output items come first
+(not its `instructions`); `conversation` continues a conversation (its items come first,
+and the request's input and output items are added to it); an `item_reference` input item
+is the stored item of that id. `GET`/`DELETE /v1/responses/{id}` and `GET
+/v1/responses/{id}/input_items` read and delete them. An id not stored is a 404 in
+OpenAI's shape; with `specdec serve --store none` nothing is kept and asking for it is a
+400.
 
 Accepted and ignored (they do not change the output): metadata (echoed), user,
 service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention,
@@ -32,7 +38,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fastapi import APIRouter, Request
+import logging
+import sqlite3
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
@@ -42,9 +51,13 @@ from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, To
                              ToolChoice)
 
 from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
-from .errors import bad_request, message_of, openai_body, openai_response
-from .openapi import GENERATE_RESPONSES, sse as sse_body
-from .responses_wire import FunctionChoice, NEEDS, UNMODELED, ResponsesRequest
+from .errors import WireError, bad_request, message_of, openai_body, openai_response
+from .openapi import GENERATE_RESPONSES, error_responses, sse as sse_body
+from .responses_wire import (ConversationRef, FunctionChoice, InputItem, NEEDS, UNMODELED,
+                             ResponsesRequest)
+from .store import Item, Store, page
+
+log = logging.getLogger("specdec.server")
 
 PREFIX = "/v1/responses"
 PARAMS = {"messages": "input", "constraint": "text.format", "max_tokens": "max_output_tokens",
@@ -65,6 +78,108 @@ def _lp(kind: str) -> dict[str, Any]:
 
 
 REQUEST_BODIES = {PREFIX: ResponsesRequest}
+ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+             "reasoning": "rs"}
+
+
+def wire_item(item: InputItem) -> Item:
+    """An input item in its stored (and listed) form, with an id (its own, else a new one)."""
+    iid = item.id or f"{ID_PREFIX[item.type]}_{uuid.uuid4().hex}"
+    if item.type == "message":
+        return {"type": "message", "id": iid, "role": item.role, "status": "completed",
+                "content": [p.model_dump() for p in item.content]}
+    if item.type == "function_call":
+        return {"type": "function_call", "id": iid, "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments, "status": "completed"}
+    if item.type == "function_call_output":
+        return {"type": "function_call_output", "id": iid, "call_id": item.call_id,
+                "output": "".join(p.text for p in item.output), "status": "completed"}
+    return {"type": "reasoning", "id": iid, "summary": [p.model_dump() for p in item.summary],
+            "content": [p.model_dump() for p in item.content]}
+
+
+def not_found(what: str, oid: str, param: str | None, code: str) -> WireError:
+    return WireError(404, f"no {what} with id {oid!r} is stored here", param=param, code=code)
+
+
+@dataclass
+class Turn:
+    """What a request continues and keeps: the items before its own input (a previous
+    response's input and output, or a conversation's), its own input items (references
+    resolved, with ids), whether its response is stored, and its conversation."""
+
+    prior: list[Item] = field(default_factory=list)
+    own: list[Item] = field(default_factory=list)
+    stored: bool = False
+    conversation: str | None = None
+
+    @property
+    def context(self) -> list[Item]:
+        return self.prior + self.own
+
+    @staticmethod
+    def of(body: ResponsesRequest, store: Store | None) -> Turn:
+        """The request's turn, read from the store.
+
+        Raises:
+            WireError: 404 for an id the store does not hold; 400 where the server stores
+                nothing and the request asks for stored state, or both
+                `previous_response_id` and `conversation` are given.
+        """
+        conv = body.conversation.id if isinstance(body.conversation, ConversationRef) \
+            else body.conversation
+        refs = [i for i, it in enumerate(body.input) if it.type == "item_reference"]
+        if store is None:
+            for given, name in ((body.store, "store"),
+                                (body.previous_response_id, "previous_response_id"),
+                                (conv, "conversation"), (refs, f"input[{refs[0] if refs else 0}]")):
+                if given:
+                    raise bad_request("this server keeps no responses (specdec serve --store "
+                                      "none): send the whole conversation as input", name)
+            return Turn(own=[wire_item(it) for it in body.input])
+        if body.previous_response_id and conv:
+            raise bad_request("previous_response_id and conversation cannot both be given",
+                              "previous_response_id")
+        prior: list[Item] = []
+        if body.previous_response_id:
+            if store.response(body.previous_response_id) is None:
+                raise not_found("response", body.previous_response_id, "previous_response_id",
+                                "previous_response_not_found")
+            prior = store.items_of(body.previous_response_id)
+        elif conv:
+            if store.conversation(conv) is None:
+                raise not_found("conversation", conv, "conversation", "conversation_not_found")
+            prior = store.items_of(conv)
+        own: list[Item] = []
+        for i, it in enumerate(body.input):
+            if it.type != "item_reference":
+                own.append(wire_item(it))
+                continue
+            if not it.id:
+                raise bad_request("an item_reference item needs id", f"input[{i}].id")
+            found = store.item(it.id)
+            if found is None:
+                raise not_found("item", it.id, f"input[{i}].id", "item_not_found")
+            own.append(found)
+        return Turn(prior, own, body.store is not False, conv)
+
+    def body(self, body: ResponsesRequest) -> ResponsesRequest:
+        """The request with its whole context as its input."""
+        return body.model_copy(update={"input": [InputItem.model_validate(it)
+                                                 for it in self.context]})
+
+    def keep(self, store: Store | None, response: dict[str, Any]) -> None:
+        """Keep a finished response (where stored) and add its items to its conversation.
+        A store that fails is logged: the answer is still given."""
+        if store is None:
+            return
+        try:
+            if self.stored:
+                store.put_response(response, self.context)
+            if self.conversation is not None:
+                store.add_items(self.conversation, self.own + list(response["output"]))
+        except sqlite3.Error:
+            log.exception("response %s was not stored", response.get("id"))
 
 
 def messages(body: ResponsesRequest) -> tuple[Message, ...]:
@@ -99,8 +214,8 @@ def messages(body: ResponsesRequest) -> tuple[Message, ...]:
 
 
 def to_request(body: ResponsesRequest) -> GenerateRequest:
-    """A parsed /v1/responses body as the neutral request (temperature defaults to 1, as
-    OpenAI's does).
+    """A parsed /v1/responses body (its stored context resolved: `Turn.body`) as the neutral
+    request (temperature defaults to 1, as OpenAI's does).
 
     Raises:
         WireError: 400 naming the offending field (an unmodeled one: `UNMODELED`).
@@ -131,7 +246,7 @@ def to_request(body: ResponsesRequest) -> GenerateRequest:
         template_kwargs=body.chat_template_kwargs or {}, **body.engine_fields())
 
 
-def head(body: ResponsesRequest, run: Run) -> dict[str, Any]:
+def head(body: ResponsesRequest, run: Run, turn: Turn) -> dict[str, Any]:
     """The response object's fields that the output does not change (the request echoed)."""
     fmt = body.text.format if body.text and body.text.format else None
     choice = body.tool_choice
@@ -140,7 +255,9 @@ def head(body: ResponsesRequest, run: Run) -> dict[str, Any]:
             "incomplete_details": None, "max_output_tokens": body.max_output_tokens,
             "metadata": (body.model_extra or {}).get("metadata") or {},
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "store": False, "background": False,
+            "previous_response_id": body.previous_response_id, "store": turn.stored,
+            "conversation": {"id": turn.conversation} if turn.conversation else None,
+            "background": False,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                           "summary": None},
             "temperature": run.request.sampling.temperature, "top_p": run.request.sampling.top_p,
@@ -159,6 +276,8 @@ class Writer(Fold):
 
     head: dict[str, Any]
     run: Run
+    turn: Turn = field(default_factory=Turn)
+    store: Store | None = None
     items: list[dict[str, Any]] = field(default_factory=list)
     seq: int = 0
     open: dict[str, Any] | None = None
@@ -166,8 +285,10 @@ class Writer(Fold):
     final: dict[str, Any] | None = None
 
     @classmethod
-    def of(cls, body: ResponsesRequest, run: Run) -> Writer:
-        return cls(head(body, run), run)
+    def of(cls, body: ResponsesRequest, run: Run, turn: Turn | None = None,
+           store: Store | None = None) -> Writer:
+        turn = turn or Turn()
+        return cls(head(body, run, turn), run, turn, store)
 
     def opening(self) -> list[SSEEvent]:
         return [self.response("response.created"), self.response("response.in_progress")]
@@ -251,7 +372,8 @@ class Writer(Fold):
         done = {"output": self.items, "specdec": extension(self.run, ev.stats, ev.warnings),
                 "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
                           "total_tokens": u.total_tokens,
-                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                                   "cache_write_tokens": 0},
                           "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens or 0}}}
         if ev.finish_reason == "length":
             last = self.response("response.incomplete", "incomplete", **done,
@@ -260,6 +382,7 @@ class Writer(Fold):
             last = self.response("response.completed", "completed", **done,
                                  completed_at=int(time.time()))
         self.final = last[1]["response"]
+        self.turn.keep(self.store, self.final)
         return out + [last]
 
     def _fail(self, ev: Failed) -> list[SSEEvent]:
@@ -283,11 +406,66 @@ def error(e: SpecdecError, body: ResponsesRequest | None = None) -> JSONResponse
     return openai_response(e, PARAMS)
 
 
+def listing(items: list[Item] | None, after: str | None, limit: int, order: str,
+            what: str, oid: str, code: str) -> dict[str, Any]:
+    """A page of stored items as OpenAI's list object.
+
+    Raises:
+        WireError: 404 where the owner is not stored; 400 for an `after` not in the list.
+    """
+    if items is None:
+        raise not_found(what, oid, None, code)
+    got = page(items, after, limit, order)
+    if got is None:
+        raise bad_request(f"after: no item {after!r} in this list", "after")
+    return got.wire()
+
+
 def router(door: Door) -> APIRouter:
     api = APIRouter()
 
+    def request(body: ResponsesRequest) -> GenerateRequest:
+        body.turn = Turn.of(body, door.store)
+        resolved = body.turn.prior or any(it.type == "item_reference" for it in body.input)
+        return to_request(body.turn.body(body) if resolved else body)
+
+    def fold(body: ResponsesRequest, run: Run) -> Writer:
+        return Writer.of(body, run, body.turn, door.store)
+
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: Request) -> Response:
-        return await door.serve(http, ResponsesRequest, to_request, Writer.of, error)
+        return await door.serve(http, ResponsesRequest, request, fold, error)
+
+    def stored(rid: str) -> dict[str, Any]:
+        got = door.store.response(rid) if door.store is not None else None
+        if got is None:
+            raise not_found("response", rid, None, "response_not_found")
+        return got
+
+    @api.get(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404))
+    async def retrieve(rid: str) -> Response:
+        try:
+            return JSONResponse(stored(rid))
+        except SpecdecError as e:
+            return error(e)
+
+    @api.delete(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404))
+    async def delete(rid: str) -> Response:
+        if door.store is None or not door.store.delete_response(rid):
+            return error(not_found("response", rid, None, "response_not_found"))
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    @api.get(PREFIX + "/{rid}/input_items", response_model=None,
+             responses=error_responses(400, 401, 404))
+    async def input_items(rid: str, after: str | None = None,
+                          limit: int = Query(20, ge=1, le=100),
+                          order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
+        try:
+            items = door.store.items_of(rid, "input") if door.store is not None and \
+                door.store.response(rid) is not None else None
+            return JSONResponse(listing(items, after, limit, order, "response", rid,
+                                        "response_not_found"))
+        except SpecdecError as e:
+            return error(e)
 
     return api

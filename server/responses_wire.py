@@ -9,18 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler,
+                      PrivateAttr)
 from pydantic import GetJsonSchemaHandler
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from .door import Extensions, Float, Int, Seed, Unmodeled, within_context
 
-STATELESS = "this server is stateless: responses are not stored"
 # Official fields that would change the output: their no-op values, and why others are refused.
 NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
-    "store": ((None, False), f"{STATELESS}; omit store or set it false"),
-    "previous_response_id": ((None,), f"{STATELESS}; send the whole conversation as input"),
-    "conversation": ((None,), f"{STATELESS}; send the whole conversation as input"),
     "include": ((None, []), "no includable extras (logprobs, encrypted reasoning) are given"),
     "truncation": ((None, "disabled"), "input is never truncated (too long is a 400)"),
     "background": ((None, False), "responses run in the foreground only"),
@@ -79,16 +76,19 @@ Parts = Annotated[list[Part], FAIL_FAST, BeforeValidator(
     Field(json_schema_extra=_or_text)]
 
 
-NEEDS = {"function_call": ("call_id", "name"), "function_call_output": ("call_id",)}
+NEEDS = {"function_call": ("call_id", "name"), "function_call_output": ("call_id",),
+         "item_reference": ("id",)}
 
 
 class InputItem(_Wire):
     """One `input` item; no `type` is a message (the SDK's EasyInputMessage). Items sent back
-    from an earlier output carry ids and statuses: ignored."""
+    from an earlier output carry ids (kept where the response is stored) and statuses
+    (ignored); an `item_reference` names a stored item by its `id`."""
 
     model_config = ConfigDict(extra="ignore")
     type: Annotated[str, OneOf(("message", "function_call", "function_call_output",
-                                "reasoning"))] = "message"
+                                "reasoning", "item_reference"))] = "message"
+    id: str | None = None
     role: Literal["user", "system", "developer", "assistant"] = "user"
     content: Parts = Field(default_factory=list, description="text, or text parts")
     call_id: str = ""
@@ -139,8 +139,16 @@ def _turns(items: list[Any]) -> int:
     return sum(not (isinstance(i, dict) and i.get("type") == "reasoning") for i in items)
 
 
+class ConversationRef(_Wire):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+
+
 class _Request(_Wire):
     model: str | None = None
+    store: bool | None = Field(None, description="absent or true: the response is stored")
+    previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None
     input: Annotated[list[InputItem], FAIL_FAST, BeforeValidator(
         lambda v: [{"content": v}] if isinstance(v, str) else v),
         within_context("input items", _turns)] = Field(
@@ -167,3 +175,13 @@ class ResponsesRequest(Extensions, _Request):
     model_config = ConfigDict(extra="allow", json_schema_extra=UNMODELED.document)
     max_thinking_tokens: Int | None = Field(None, ge=0, description="implies thinking")
     chat_template_kwargs: dict[str, Any] | None = None
+    # what the request continues and keeps (`responses.Turn`), once read from the store
+    _turn: Any = PrivateAttr(None)
+
+    @property
+    def turn(self) -> Any:
+        return self._turn
+
+    @turn.setter
+    def turn(self, value: Any) -> None:
+        self._turn = value

@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-loaded", type=int, default=None, metavar="N",
                    help="most models loaded at once; the least recently used idle one is "
                         "unloaded to make room, never a pinned one (default: no limit)")
+    s.add_argument("--load-wait", type=float, default=120.0, metavar="SECONDS",
+                   help="how long a request for a model that cannot load yet (the models "
+                        "holding the room busy) waits in line for them to go idle before a "
+                        "503 (default 120; the request's own time limit also bounds it)")
     s.add_argument("--memory-budget", default="auto", metavar="MB|auto|none",
                    help="most megabytes of models loaded at once (weights and grammar cache), "
                         "made room for as for --max-loaded ('auto', the default: half the "
@@ -134,6 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may take from arrival (waiting included) before "
                         f"it is stopped with a 504 (default {LIMITS.request_timeout_s:g}); 0 "
                         "for no limit")
+    s.add_argument("--store", default=None, metavar="PATH|memory|none",
+                   help="where the Responses API keeps stored responses and conversations: "
+                        "an SQLite file (default: responses.sqlite3 in the cache directory, "
+                        "$SPECDEC_CACHE), memory (gone at exit), or none (nothing stored)")
+    s.add_argument("--store-max-age", type=float, default=30.0, metavar="DAYS",
+                   help="stored responses and conversations last this long since last "
+                        "written (default 30 days)")
+    s.add_argument("--store-max-count", type=int, default=10_000, metavar="N",
+                   help="most responses and conversations stored (default 10000); the least "
+                        "recently written go first")
+    s.add_argument("--store-max-mb", type=int, default=1024, metavar="MB",
+                   help="most megabytes of stored JSON (default 1024)")
     s.add_argument("--max-thinking-tokens", type=int, default=None,
                    help="most tokens a thinking request thinks before its answer when it "
                         f"gives no max_thinking_tokens (and at most half its max_tokens; "
@@ -451,11 +467,22 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
     from dataclasses import replace
 
     from server.door import ServeConfig
+    from server.store import DAY, Bounds
+
+    from .errors import ModelConfigError
+    from .models import cache_dir
 
     given = {"max_batch": args.max_batch, "max_queue": args.max_queue,
              "request_timeout_s": args.request_timeout}
+    for flag, value in (("--store-max-age", args.store_max_age),
+                        ("--store-max-count", args.store_max_count),
+                        ("--store-max-mb", args.store_max_mb)):
+        if value <= 0:
+            raise ModelConfigError(f"{flag} {value:g}: must be positive")
+    store = args.store or str(cache_dir() / "responses.sqlite3")
+    bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20)
     return replace(ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
-                               channel=channel),
+                               channel=channel, store=store, store_bounds=bounds),
                    **{k: v or None if k == "request_timeout_s" else v
                       for k, v in given.items() if v is not None})
 
@@ -487,8 +514,10 @@ def serve_target(args: argparse.Namespace, shard_group: Any = None) -> Any:
         return Fleet(cat, lambda m: Engine.load(m.path, m.config), loaded={spec.name: engine})
     if shard_group is not None:
         raise ModelConfigError("a sharded target (specdec launch) serves one model")
+    if args.load_wait < 0:
+        raise ModelConfigError(f"--load-wait {args.load_wait:g}: seconds, at least 0")
     return Fleet(cat, lambda m: Engine.load(m.path, m.config), args.max_loaded,
-                 memory_budget=budget)
+                 memory_budget=budget, load_wait_s=args.load_wait)
 
 
 MEMORY_BUDGET_SHARE = 0.5  # of the machine's memory, for --memory-budget auto

@@ -490,6 +490,53 @@ def test_openai_agents_function_tool_to_final_output(server, wire, weather, api)
         assert sent[1]["output"] == "cloudy"
 
 
+def test_openai_agents_loop_by_previous_response_id(server, wire, weather):
+    # The Agents SDK chaining turns by id (`auto_previous_response_id`): after the first
+    # request, each sends only its new items (the tool's result; then the next question, in
+    # a second run by `previous_response_id`) and the server continues the stored response.
+    from agents import Agent, FunctionTool, ModelSettings, OpenAIResponsesModel, Runner
+    from agents import set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    set_tracing_disabled(True)
+
+    async def invoke(ctx: Any, arguments: str) -> str:
+        args = json.loads(arguments)
+        jsonschema.validate(args, SCHEMA)
+        return weather(**args)
+
+    tool = FunctionTool(name="get_weather", description=DESCRIPTION, params_json_schema=SCHEMA,
+                        on_invoke_tool=invoke)
+    agent = Agent(name="weather", tools=[tool], model=OpenAIResponsesModel(
+        model="default", openai_client=async_openai_client(server, wire)),
+        model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+    items: list[dict[str, Any]] = []
+    for i, (city, sky) in enumerate(SHOTS):
+        items += [{"role": "user", "content": f"What is the weather in {city}?"},
+                  {"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
+                   "arguments": json.dumps({"city": city})},
+                  {"type": "function_call_output", "call_id": f"call_{i}", "output": sky},
+                  {"role": "assistant", "content": f"It is {sky} in {city}."}]
+    result = Runner.run_sync(agent, items + [{"role": "user", "content": ASK}], max_turns=4,
+                             auto_previous_response_id=True)
+    assert weather.asked == ["London"]
+    assert [type(i) for i in result.new_items] == [ToolCallItem, ToolCallOutputItem,
+                                                   MessageOutputItem]
+    assert_answer(result.final_output)
+    first, second = wire.bodies
+    first_id = wire.responses[0]["id"]
+    assert second["previous_response_id"] == first_id
+    assert [i.get("type") for i in second["input"]] == ["function_call_output"]
+    assert second["input"][0]["output"] == "cloudy"
+    # a second run continues the first by its last response's id
+    again = Runner.run_sync(agent, "And what should I wear there?", max_turns=2,
+                            previous_response_id=result.last_response_id)
+    assert again.final_output
+    third = wire.bodies[2]
+    assert third["previous_response_id"] == result.last_response_id
+    assert [i["content"] for i in third["input"]] == ["And what should I wear there?"]
+
+
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_openai_agents_capped_output(server, wire, api):
     # The Chat Completions model takes a "length" ending that carries content (it refuses

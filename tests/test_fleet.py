@@ -290,6 +290,47 @@ def test_a_pinned_model_is_never_unloaded(dirs, embedded):
         srv.stop()
 
 
+def test_a_request_for_a_model_without_room_waits_for_the_busy_one_then_swaps(dirs, embedded):
+    # --max-loaded 1: requests for two models at once all succeed; those for the model that
+    # cannot load yet wait in line (counted in /metrics) until the other is idle.
+    import concurrent.futures
+
+    loader = Loader(embedded)
+    srv = serve([ModelSpec("qwen", dirs["qwen"], BASE), ModelSpec("llama", dirs["llama"],
+                                                                  BASE)], loader, max_loaded=1)
+    try:
+        assert ask(srv, "chat", "qwen").status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(ask, srv, api, name, 24) for name, api in (
+                ("qwen", "chat"), ("llama", "messages"), ("qwen", "responses"),
+                ("llama", "chat"))]
+            statuses = [j.result().status_code for j in jobs]
+        assert statuses == [200, 200, 200, 200]
+        fleet = fleet_of(srv)
+        assert fleet.waits >= 1 and fleet.wait_timeouts == 0 and fleet.waiting == 0
+        assert loader.loads["llama"] >= 1 and len(loaded(srv)) == 1
+        text = srv.http.get("/metrics").text
+        assert f"specdec_model_waits_total {fleet.waits}" in text
+        assert "specdec_model_waiting 0" in text
+    finally:
+        srv.stop()
+    # the wait is bounded: past --load-wait, the 503
+    fleet = Fleet(Catalog((ModelSpec("qwen", dirs["qwen"], BASE),
+                           ModelSpec("llama", dirs["llama"], BASE)), "qwen"), Loader(embedded),
+                  max_loaded=1, load_wait_s=0.3)
+    srv = InProcess(create_app(fleet, ServeConfig()), fleet)
+    try:
+        assert ask(srv, "chat", "qwen").status_code == 200
+        asyncio.run(fleet.acquire(fleet.seat("qwen")))  # a request of qwen in hand
+        r = ask(srv, "chat", "llama")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "models_busy"
+        assert "waited" in r.json()["error"]["message"] and fleet.wait_timeouts == 1
+        fleet.release(fleet.seat("qwen"))
+        assert ask(srv, "chat", "llama").status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_an_idle_model_is_unloaded_after_its_ttl(dirs, embedded):
     loader = Loader(embedded)
     srv = serve([ModelSpec("qwen", dirs["qwen"], BASE),

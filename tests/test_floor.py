@@ -34,11 +34,11 @@ LAYERS: tuple[frozenset[str], ...] = (
 
 # The server's layers, lowest first (it imports specdec freely: specdec never imports it).
 SERVER_LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"errors", "metrics", "openapi"}),  # its floor
+    frozenset({"errors", "metrics", "openapi", "store"}),  # its floor
     frozenset({"fleet"}),  # the engines it serves, by model name
     frozenset({"door"}),  # what every API does with a request
     frozenset({"chat_wire", "responses_wire", "messages_wire"}),  # each API's wire types
-    frozenset({"chat", "responses", "messages"}),  # each API's routes
+    frozenset({"chat", "responses", "messages", "conversations"}),  # each API's routes
     frozenset({"app", "__init__"}),  # the application
 )
 PACKAGES = {"specdec": LAYERS, "server": SERVER_LAYERS}

@@ -31,7 +31,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,  # noqa
                                                response_schema_conformance,
                                                status_code_conformance)
 
-EXAMPLES = {"POST": 40, "GET": 8}  # per operation and generation mode
+EXAMPLES = {"POST": 40, "GET": 8, "DELETE": 8}  # per operation and generation mode
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 
@@ -39,7 +39,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def server_args(tmp_path_factory):
     model = make_family("qwen2.5", tmp_path_factory.mktemp("fuzz") / "qwen2.5")
-    return ("--model", str(model), "--draft-model", "none", "--max-batch", "2")
+    return ("--model", str(model), "--draft-model", "none", "--max-batch", "2", "--store",
+            "memory")
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,15 @@ def test_document_describes_every_endpoint(api, server):
     ops = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
     generate = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
     admin = ("load", "unload", "pin", "unpin")
+    stored = {("GET", "/v1/responses/{rid}"), ("DELETE", "/v1/responses/{rid}"),
+              ("GET", "/v1/responses/{rid}/input_items"), ("POST", "/v1/conversations"),
+              *((m, "/v1/conversations/{cid}") for m in ("GET", "POST", "DELETE")),
+              *((m, "/v1/conversations/{cid}/items") for m in ("GET", "POST")),
+              *((m, "/v1/conversations/{cid}/items/{item_id}") for m in ("GET", "DELETE"))}
     assert ops == {("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
                    ("GET", "/v1/models/{name}"), ("POST", "/v1/messages/count_tokens"),
                    *(("POST", p) for p in generate),
-                   *(("POST", f"/v1/models/{{name}}/{a}") for a in admin)}
+                   *(("POST", f"/v1/models/{{name}}/{a}") for a in admin), *stored}
     for path in generate:
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"]["$ref"].startswith("#/components/schemas/")

@@ -73,7 +73,7 @@ def test_text_answer_is_a_valid_response_with_usage_and_extension(post):
     assert u.input_tokens_details.cached_tokens == 0
     ext = r.json()["specdec"]
     assert ext["warnings"] == ["a warning"] and "acceptance_rate" in ext
-    assert r.json()["store"] is False
+    assert r.json()["store"] is True  # absent: stored, as OpenAI does
 
 
 def test_request_maps_to_neutral_fields(post, fake):
@@ -265,15 +265,14 @@ def test_engine_errors_name_this_apis_fields(post, fake, engine_param, wire):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"conversation": "conv_1"}, "conversation"), ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"background": True},
                                                                "background"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"frobnicate": 1}, "frobnicate"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference"}]}, "input[0].id"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"temperature": -1}, "temperature")])
@@ -282,8 +281,8 @@ def test_unsupported_fields_are_a_400_naming_them(post, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
-    if param in ("tools[0].type", "store"):
-        assert ("web_search" if param != "store" else "stateless") in err["message"]
+    if param == "tools[0].type":
+        assert "web_search" in err["message"]
 
 
 def test_unknown_model_is_a_404(post):

@@ -24,7 +24,7 @@ MSG = [{"role": "user", "content": "hi"}]
 APIS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", {"messages": MSG}, {"top_logprobs": 2}),
     "completions": ("/v1/completions", {"prompt": "hi"}, {"suffix": "x"}),
-    "responses": ("/v1/responses", {"input": "hi"}, {"store": True}),
+    "responses": ("/v1/responses", {"input": "hi"}, {"truncation": "auto"}),
     "messages": ("/v1/messages", {"model": "fake", "messages": MSG, "max_tokens": 5},
                  {"mcp_servers": [{}]}),
 }
