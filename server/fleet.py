@@ -292,7 +292,9 @@ class Fleet:
         try:
             while True:
                 with self._lock:
-                    if (self._queue[0] is ticket) if self._queue else ticket is None:
+                    # (a pinned model's requests pass the line: it never makes room)
+                    mine = (self._queue[0] is ticket) if self._queue else ticket is None
+                    if mine or (seat.pinned and seat.engine is not None and ticket is None):
                         try:
                             engine, job = self._lease(seat)
                             break
@@ -319,8 +321,9 @@ class Fleet:
                     self.wait_s += loop.time() - start
         if job is None:
             return engine
+        left = None if timeout_s is None else max(0.0, timeout_s - (loop.time() - start))
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), timeout_s)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job)), left)
         except asyncio.TimeoutError:
             self.release(seat)
             raise DeadlineExceeded(f"model {seat.name!r} did not load within the request's "
@@ -365,15 +368,20 @@ class Fleet:
                         f"{used >> 20} MB of the {budget >> 20} MB memory budget")
             return None
 
+        def room_without(gone: list[Seat]) -> bool:
+            left = [s for s in resident if s not in gone]
+            return (most is None or len(left) < most) and (
+                budget is None or sum(s.bytes for s in left) + seat.bytes <= budget)
+
+        why = full()
+        idle = [s for s in resident if s.engine is not None and self._idle(s)]
+        if why is not None and not room_without(idle):  # (then unload nothing)
+            later = [s for s in resident if not s.pinned]  # idle once their requests end
+            raise NoRoom(f"model {seat.name!r} cannot load: {why}, and every loaded model "
+                         "that would make room is in use or pinned",
+                         waitable=room_without(later))
         while (why := full()) is not None:
             idle = [s for s in resident if s.engine is not None and self._idle(s)]
-            if not idle:
-                later = [s for s in resident if not s.pinned]  # idle once their requests end
-                fits = (most is None or len(resident) - len(later) < most) and (
-                    budget is None or sum(s.bytes for s in resident if s.pinned) + seat.bytes
-                    <= budget)
-                raise NoRoom(f"model {seat.name!r} cannot load: {why}, and every loaded "
-                             "model is in use or pinned", waitable=bool(later) and fits)
             victim = min(idle, key=lambda s: s.last_used)
             self._unload(victim, "to make room for " + repr(seat.name))
             resident.remove(victim)

@@ -329,8 +329,11 @@ def message(msg_id: str, run: Run, content: list[dict[str, Any]],
     body: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": run.model,
         "content": content, "stop_reason": reason, "stop_sequence": seq,
+        # (the stream's opening usage: the prompt's tokens before its prefill; the end's
+        # message_delta says how many were read from the prompt store)
         "usage": usage(done) if done else {"input_tokens": len(run.request.prompt_ids),
-                                           "output_tokens": 0}}
+                                           "cache_creation_input_tokens": 0,
+                                           "cache_read_input_tokens": 0, "output_tokens": 0}}
     if done is not None:
         body["specdec"] = extension(run, done.stats, done.warnings)
     return body

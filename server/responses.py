@@ -163,6 +163,16 @@ class Turn:
             own.append(found)
         return Turn(prior, own, body.store is not False, conv)
 
+    @staticmethod
+    def read(body: ResponsesRequest, store: Store | None) -> Turn:
+        """`Turn.of`, a store that fails being a 503 (not a fault of the request)."""
+        try:
+            return Turn.of(body, store)
+        except sqlite3.Error as e:
+            log.exception("the response store failed")
+            raise WireError(503, f"the response store is unavailable: {e}",
+                            code="store_unavailable") from e
+
     def body(self, body: ResponsesRequest) -> ResponsesRequest:
         """The request with its whole context as its input."""
         return body.model_copy(update={"input": [InputItem.model_validate(it)
@@ -425,7 +435,7 @@ def router(door: Door) -> APIRouter:
     api = APIRouter()
 
     def request(body: ResponsesRequest) -> GenerateRequest:
-        body.turn = Turn.of(body, door.store)
+        body.turn = Turn.read(body, door.store)
         resolved = body.turn.prior or any(it.type == "item_reference" for it in body.input)
         return to_request(body.turn.body(body) if resolved else body)
 

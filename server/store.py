@@ -83,6 +83,7 @@ class Store:
         self.path, self.bounds = str(path), bounds
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).touch(mode=0o600)  # (it holds every stored prompt: owner only)
         self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30,
                                    isolation_level=None)
         self._lock = threading.Lock()
@@ -105,6 +106,9 @@ class Store:
         rows += [(response["id"], len(context) + n, it["id"], "output", json.dumps(it))
                  for n, it in enumerate(response.get("output") or [])]
         size = len(body) + sum(len(r[4]) for r in rows)
+        if self.bounds.max_bytes is not None and size > self.bounds.max_bytes:
+            raise sqlite3.DataError(f"response {response['id']} takes {size} bytes, over the "
+                                    f"store's bound ({self.bounds.max_bytes})")
         with self._lock, self._transaction():
             self._drop("responses", response["id"])
             self._db.execute("INSERT INTO responses VALUES (?, ?, ?, ?)",
@@ -201,7 +205,14 @@ class Store:
                 db.execute("BEGIN IMMEDIATE")
 
             def __exit__(self, kind: Any, *_: Any) -> None:
-                db.execute("COMMIT" if kind is None else "ROLLBACK")
+                if kind is None:
+                    try:
+                        db.execute("COMMIT")
+                        return
+                    except sqlite3.Error:  # (a full disk, another process's lock)
+                        db.execute("ROLLBACK")
+                        raise
+                db.execute("ROLLBACK")
 
         return _T()
 

@@ -729,16 +729,15 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBu
     on_chain = next((k for k, j in enumerate(path) if j != k or j >= n_chain), accepted)
     for j in path:
         s.stats.accept(p.sources[j], branch=j >= n_chain)
-    n_emit = _emit(s, out, rows, v.lps, steered)
-    if n_emit is None:
-        return
-    # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1].
+    base = len(s.seq)
+    _emit(s, out, rows, v.lps, steered)
+    # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1] (also
+    # where the request just ended: its caches may be kept for a next turn, `keep_answer`).
     if p.parents is not None:  # (nothing moves when the branch is where a sequence would be)
         ragged.keep_rows(s.t_cache, s.t_cache[0].offset - v.width, path)
     trim_cache(s.t_cache, v.width - accepted)
     # Draft cache holds a prefix of old seq + props[:fed] (the chain's); keep what agrees.
     if s.d_cache:
-        base = len(s.seq) - n_emit
         d_len = s.d_cache[0].offset
         keep = min(d_len, base + min(p.fed, on_chain, n_chain))
         trim_cache(s.d_cache, d_len - keep)

@@ -458,7 +458,7 @@ class Scheduler:
                 store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
             if error is None and self.kv_store is not None:
                 keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
-            if isinstance(error, GrammarTooComplex) and s.stats.rounds <= 1 and \
+            if isinstance(error, GrammarTooComplex) and s.emitted <= 1 and \
                     t.request.grammar is not None:
                 t.request.grammar.evict()  # too costly at its first step: not kept
             t.state.release()

@@ -16,6 +16,7 @@ import pytest
 
 from oracle import reference_decode
 from specdec.engine import Engine
+from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
@@ -27,6 +28,14 @@ FIRST = [{"role": "system", "content": SYSTEM},
 MAX_TOKENS = 16
 MODES = {"greedy": SamplingParams(), "seeded": SamplingParams(0.8, top_k=40, seed=11)}
 ARMS = {"plain": None, "speculative": SpecConfig(k=3)}
+# A first turn whose answer ends where its grammar does (the last token out may follow a
+# rejected proposal in the round that ends it): a JSON answer, speculative.
+COLOURS = Constraint.json_schema({"type": "object", "properties": {"colours": {
+    "type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+    "required": ["colours"], "additionalProperties": False})
+CELLS = [("plain", "greedy", None), ("plain", "seeded", None),
+         ("speculative", "greedy", None), ("speculative", "seeded", None),
+         ("speculative", "greedy", COLOURS)]
 
 
 def _shared(a, b) -> int:
@@ -38,14 +47,15 @@ def _shared(a, b) -> int:
     return n
 
 
-def _turns(e: Engine, params: SamplingParams, spec) -> tuple[list[int], list[int], int]:
+def _turns(e: Engine, params: SamplingParams, spec, constraint: Constraint | None = None
+           ) -> tuple[list[int], list[int], int]:
     """Turn one on `e` (kept in its store), then the next turn's prompt (the history with
     that answer and a new question); and what the store holds of turn one: its prompt and
     answer as far as the caches were fed (the answer's last token only where an end token
     followed it), and the first prompt's length."""
-    ids1 = e.chat_prompt(FIRST, constrained=False)
-    r1 = e.generate(e.prepare(ids1, max_tokens=MAX_TOKENS, sampling=params, spec=spec,
-                              logprobs=3))
+    ids1 = e.chat_prompt(FIRST, constrained=constraint is not None)
+    r1 = e.generate(e.prepare(ids1, max_tokens=MAX_TOKENS * 2, sampling=params, spec=spec,
+                              logprobs=3, constraint=constraint))
     second = FIRST + [{"role": "assistant", "content": r1.text},
                       {"role": "user", "content": "And three more?"}]
     fed = r1.tokens if r1.finish_reason == "stop" else r1.tokens[:-1]
@@ -62,13 +72,13 @@ def cold(embedded, distilled):
     return e
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("arm", sorted(ARMS))
+@pytest.mark.parametrize("arm, mode, constraint", CELLS,
+                         ids=[f"{a}-{m}{'-json' if c else ''}" for a, m, c in CELLS])
 def test_the_next_turn_restores_the_answer_and_decodes_as_cold(embedded, distilled, cold,
-                                                               arm, mode):
+                                                               arm, mode, constraint):
     params, spec = MODES[mode], ARMS[arm]
     warm = Engine(embedded, distilled)
-    held, ids2, first = _turns(warm, params, spec)
+    held, ids2, first = _turns(warm, params, spec, constraint)
     expect = _shared(ids2[:-1], held)
     # the answer restored too (all of it but where the template's rendering parts from it)
     assert expect >= len(held) - 1 and expect > first, (expect, len(held), first)
@@ -119,3 +129,33 @@ def test_the_prompt_alone_is_dropped_for_the_answer_and_both_count_in_bytes(embe
     assert e.kv_store.nbytes == sum(
         a.nbytes for _, states, _ in e.kv_store._entries.values() for st in states
         for a in st if hasattr(a, "nbytes"))
+
+
+def test_every_kept_state_is_its_tokens_prefilled_cold(embedded, distilled):
+    # Whatever ends a speculative request (an end token, its budget mid-round, its grammar's
+    # end; rejected proposals or a token tree's branch in the last round), the state kept
+    # under a key is exactly that key's tokens prefilled from scratch (reference BLAS:
+    # bitwise), target and draft.
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    e = Engine(embedded, distilled)
+    asks = [("Count from one to ten.", None, n) for n in range(5, 13)] + [
+        ("Name three colours.", COLOURS, 40)]
+    specs = [SpecConfig(k=4), SpecConfig(k=4, lookup=True, tree=4, tree_min_score=0.0)]
+    for i, (text, constraint, budget) in enumerate(asks):
+        ids = e.chat_prompt([{"role": "user", "content": text}],
+                            constrained=constraint is not None)
+        e.generate(e.prepare(ids, max_tokens=budget, spec=specs[i % 2],
+                             constraint=constraint))
+    checked = 0
+    for (_, key), (model, states, _) in list(e.kv_store._entries.items()):
+        cache = make_prompt_cache(model)
+        model(mx.array([list(key)], dtype=mx.int32), cache=cache)
+        keys, values, n = states[0]
+        assert n == len(key)
+        want = cache[0].state
+        assert mx.array_equal(keys[..., :n, :], want[0][..., :n, :]), key[-5:]
+        assert mx.array_equal(values[..., :n, :], want[1][..., :n, :]), key[-5:]
+        checked += 1
+    assert checked >= len(asks)
