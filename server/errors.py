@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from specdec.errors import SpecdecError
+from specdec.errors import ModelsBusy, SpecdecError
 
 STATUS = {"invalid_request": 400, "unauthorized": 401, "not_found": 404, "not_allowed": 405,
           "too_large": 413, "unavailable": 503, "timeout": 504, "internal": 500}
@@ -131,3 +131,12 @@ def anthropic_body(e: SpecdecError, params: Mapping[str, str]) -> dict[str, Any]
 def anthropic_response(e: SpecdecError, params: Mapping[str, str]) -> JSONResponse:
     return JSONResponse(anthropic_body(e, params), status_code=status_of(e),
                         headers=headers_of(e))
+
+
+class NoRoom(ModelsBusy):
+    """No room for a model now (`fleet.Fleet`); `waitable`: unpinned models hold it, and room
+    comes once they are idle."""
+
+    def __init__(self, message: str, waitable: bool) -> None:
+        super().__init__(message)
+        self.waitable = waitable

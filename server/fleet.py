@@ -44,21 +44,12 @@ from specdec.engine import Engine
 from specdec.errors import DeadlineExceeded, ModelLoadError, ModelsBusy, SpecdecError
 from specdec.prompt_bound import PromptBound
 
-from .errors import WireError
+from .errors import NoRoom, WireError
 
 log = logging.getLogger("specdec.server")
 REAP_EVERY_S = 1.0  # how often idle models are checked against their TTL
 LOAD_WAIT_S = 120.0  # the longest a request waits for room for its model (--load-wait)
 WAIT_POLL_S = 0.05  # how often a waiting request looks again
-
-
-class NoRoom(ModelsBusy):
-    """No room for a model now; `waitable`: unpinned models hold it, and room comes once
-    they are idle."""
-
-    def __init__(self, message: str, waitable: bool) -> None:
-        super().__init__(message)
-        self.waitable = waitable
 
 
 @dataclass(eq=False)

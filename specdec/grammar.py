@@ -156,15 +156,6 @@ class CompiledGrammar:
     # so it goes when the grammar leaves the cache
     _needs: dict[tuple, tuple[int | None, str]] = field(default_factory=dict, repr=False,
                                                         compare=False)
-    # the compiler whose cache holds it (a weak reference), for `evict`
-    _owner: Any = field(default=None, repr=False, compare=False)
-
-    def evict(self) -> None:
-        """Leave the compiler's cache (a grammar that failed at its first step: too costly
-        to be worth keeping for the next request)."""
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None:
-            owner.forget(self)
 
     def matcher(self) -> LLMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -438,16 +429,6 @@ class GrammarCompiler:
                                cache_bytes=GRAMMAR_CACHE_BYTES if cache_bytes is None
                                else cache_bytes)
 
-    def forget(self, grammar: CompiledGrammar) -> bool:
-        """Drop `grammar` from the cache, where it is the one cached for its text."""
-        with self._lock:
-            if self._cache.get(grammar.text) is not grammar:
-                return False
-            del self._cache[grammar.text]
-            self._held -= grammar.nbytes
-            self.evictions += 1
-            return True
-
     def compile(self, c: Constraint, thinking: Thinking | None = None) -> CompiledGrammar:
         """Compile (or fetch from cache) a constraint, after a think block when `thinking`.
 
@@ -488,7 +469,7 @@ class GrammarCompiler:
         nbytes = (grammar_bytes_estimate(text) if before is None or after is None
                   else max(after - before, 2 * len(text.encode())))
         compiled = CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template,
-                                   nbytes, _owner=weakref.ref(self))
+                                   nbytes)
         with self._lock:
             self.misses += 1
             old = self._cache.pop(text, None)  # compiled twice at once: keep the last

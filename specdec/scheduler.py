@@ -26,8 +26,8 @@ from . import ragged
 from .core import (DecodeState, Models, decode_plainly, keep_answer, mask_decisions,
                    prefill_arrivals, run_round)
 from .decode import PromptKVCache
-from .errors import (Cancelled, DeadlineExceeded, GrammarTooComplex,  # noqa: F401
-                     InternalError, QueueFull, SchedulerStopped, SpecdecError)
+from .errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull,  # noqa: F401
+                     SchedulerStopped, SpecdecError)
 from .output import Output
 from .prepare import Request
 from .speculative import TREE_MIN_SCORE
@@ -458,9 +458,6 @@ class Scheduler:
                 store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
             if error is None and self.kv_store is not None:
                 keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
-            if isinstance(error, GrammarTooComplex) and s.emitted <= 1 and \
-                    t.request.grammar is not None:
-                t.request.grammar.evict()  # too costly at its first step: not kept
             t.state.release()
             if not self._active or t.request.kv_positions > ragged.SLOT_POSITIONS:
                 mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now

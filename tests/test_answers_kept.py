@@ -33,8 +33,8 @@ ARMS = {"plain": None, "speculative": SpecConfig(k=3)}
 COLOURS = Constraint.json_schema({"type": "object", "properties": {"colours": {
     "type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
     "required": ["colours"], "additionalProperties": False})
-CELLS = [("plain", "greedy", None), ("plain", "seeded", None),
-         ("speculative", "greedy", None), ("speculative", "seeded", None),
+# (each mode and arm once; the suite's time is bounded)
+CELLS = [("plain", "greedy", None), ("speculative", "seeded", None),
          ("speculative", "greedy", COLOURS)]
 
 
@@ -140,7 +140,7 @@ def test_every_kept_state_is_its_tokens_prefilled_cold(embedded, distilled):
     from mlx_lm.models.cache import make_prompt_cache
 
     e = Engine(embedded, distilled)
-    asks = [("Count from one to ten.", None, n) for n in range(5, 13)] + [
+    asks = [("Count from one to ten.", None, n) for n in range(5, 9)] + [
         ("Name three colours.", COLOURS, 40)]
     specs = [SpecConfig(k=4), SpecConfig(k=4, lookup=True, tree=4, tree_min_score=0.0)]
     for i, (text, constraint, budget) in enumerate(asks):

@@ -588,7 +588,7 @@ def test_a_models_folder_of_gguf_files_converts_each_when_it_first_loads(
     try:
         cards = {m["id"]: m for m in s.http.get("/v1/models").json()["data"]}
         assert set(cards) == {"mistral", "plain", "qwen3", "rwkv"}
-        assert not cache.exists()  # nothing converted at start
+        assert not (cache / "models").exists()  # nothing converted at start
         for api, body in (("/v1/chat/completions", {}), ("/v1/messages", {"max_tokens": 2})):
             r = s.http.post(api, json={"model": "rwkv", "messages": MESSAGES, **body})
             assert r.status_code == 503, r.text  # in the API's shape, naming the cause
