@@ -445,11 +445,10 @@ def test_pydantic_ai_output_tool_takes_a_capped_call(server, wire):
 
 # 4. openai-agents: a function tool on the Chat Completions and the Responses model.
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
-def test_openai_agents_function_tool_to_final_output(server, wire, weather, api):
-    from agents import (Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel,
-                        OpenAIResponsesModel, Runner, set_tracing_disabled)
-    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+def weather_agent(server: Server, wire: Wire, weather: Weather, model_cls: Any) -> Any:
+    """The Agents SDK's agent with the weather function tool, on `model_cls` (its Chat
+    Completions or Responses model), greedy."""
+    from agents import Agent, FunctionTool, ModelSettings, set_tracing_disabled
 
     set_tracing_disabled(True)
 
@@ -462,10 +461,13 @@ def test_openai_agents_function_tool_to_final_output(server, wire, weather, api)
     # model reads as a cue to write a tool response itself instead of a call).
     tool = FunctionTool(name="get_weather", description=DESCRIPTION, params_json_schema=SCHEMA,
                         on_invoke_tool=invoke)
-    model_cls = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
-    agent = Agent(name="weather", tools=[tool],
-                  model=model_cls(model="default", openai_client=async_openai_client(server, wire)),
-                  model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+    return Agent(name="weather", tools=[tool],
+                 model=model_cls(model="default", openai_client=async_openai_client(server, wire)),
+                 model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+
+
+def agents_history() -> list[dict[str, Any]]:
+    """The few-shot turns as the Agents SDK's Responses input items."""
     items: list[dict[str, Any]] = []
     for i, (city, sky) in enumerate(SHOTS):
         items += [{"role": "user", "content": f"What is the weather in {city}?"},
@@ -473,6 +475,17 @@ def test_openai_agents_function_tool_to_final_output(server, wire, weather, api)
                    "arguments": json.dumps({"city": city})},
                   {"type": "function_call_output", "call_id": f"call_{i}", "output": sky},
                   {"role": "assistant", "content": f"It is {sky} in {city}."}]
+    return items
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_openai_agents_function_tool_to_final_output(server, wire, weather, api):
+    from agents import OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
+    model_cls = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
+    agent = weather_agent(server, wire, weather, model_cls)
+    items = agents_history()
     result = Runner.run_sync(agent, items + [{"role": "user", "content": ASK}], max_turns=4)
     assert weather.asked == ["London"]
     assert [type(i) for i in result.new_items] == [ToolCallItem, ToolCallOutputItem,
@@ -494,29 +507,11 @@ def test_openai_agents_loop_by_previous_response_id(server, wire, weather):
     # The Agents SDK chaining turns by id (`auto_previous_response_id`): after the first
     # request, each sends only its new items (the tool's result; then the next question, in
     # a second run by `previous_response_id`) and the server continues the stored response.
-    from agents import Agent, FunctionTool, ModelSettings, OpenAIResponsesModel, Runner
-    from agents import set_tracing_disabled
+    from agents import OpenAIResponsesModel, Runner
     from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
 
-    set_tracing_disabled(True)
-
-    async def invoke(ctx: Any, arguments: str) -> str:
-        args = json.loads(arguments)
-        jsonschema.validate(args, SCHEMA)
-        return weather(**args)
-
-    tool = FunctionTool(name="get_weather", description=DESCRIPTION, params_json_schema=SCHEMA,
-                        on_invoke_tool=invoke)
-    agent = Agent(name="weather", tools=[tool], model=OpenAIResponsesModel(
-        model="default", openai_client=async_openai_client(server, wire)),
-        model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
-    items: list[dict[str, Any]] = []
-    for i, (city, sky) in enumerate(SHOTS):
-        items += [{"role": "user", "content": f"What is the weather in {city}?"},
-                  {"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
-                   "arguments": json.dumps({"city": city})},
-                  {"type": "function_call_output", "call_id": f"call_{i}", "output": sky},
-                  {"role": "assistant", "content": f"It is {sky} in {city}."}]
+    agent = weather_agent(server, wire, weather, OpenAIResponsesModel)
+    items = agents_history()
     result = Runner.run_sync(agent, items + [{"role": "user", "content": ASK}], max_turns=4,
                              auto_previous_response_id=True)
     assert weather.asked == ["London"]
