@@ -11,6 +11,7 @@ are bitwise the same whichever storage its neighbours use (on the reference BLAS
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import random
@@ -64,9 +65,24 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back (glibc's malloc_trim). Buffers under glibc's mmap
+    threshold (raised up to 32 MiB by earlier frees) come from the heap, whose freed pages
+    stay resident until trimmed: without this, a baseline taken after other tests counts
+    free pages a new buffer then reuses, and RSS shows less than the buffer's storage."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS): nothing to trim
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 def _settled_rss() -> int:
     gc.collect()
     mx.clear_cache()  # MLX keeps freed buffers for reuse; hand them back first
+    _trim_heap()
     return _rss()
 
 
