@@ -46,8 +46,8 @@ from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, Sampli
 from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
 from specdec.prepare import Request
 from specdec.prompt_bound import PromptBound
-from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, SamplingParams,
-                             SpecOverrides, Tool)
+from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, Message,
+                             SamplingParams, SpecOverrides, Tool)
 
 from .errors import WireError, bad_request, ref_of, wire_param
 from .fleet import Fleet, Seat
@@ -207,7 +207,7 @@ class Bounded:
 
     def __init__(self, workers: int, waiting: int, name: str, what: str) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-        self.limit, self.what = workers + waiting, what
+        self.workers, self.limit, self.what = workers, workers + waiting, what
         self.pending = 0  # submitted and not done (a cancelled wait does not end the job)
         self._lock = threading.Lock()
 
@@ -224,6 +224,26 @@ class Bounded:
             raise
         job.add_done_callback(self._done)
         return await asyncio.wrap_future(job)
+
+    def spare(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run `fn` in the background where a worker is idle now, for work that may be
+        skipped (nothing waits on it; its failure is logged); returns whether it runs."""
+        with self._lock:
+            if self.pending >= self.workers:
+                return False
+            self.pending += 1
+        try:
+            job = self.pool.submit(fn, *args)
+        except RuntimeError:  # shut down
+            self._done(None)
+            return False
+        job.add_done_callback(self._background_done)
+        return True
+
+    def _background_done(self, job: Any) -> None:
+        self._done(job)
+        if not job.cancelled() and job.exception() is not None:
+            log.error("background %s job failed", self.what, exc_info=job.exception())
 
     def _done(self, _: Any) -> None:
         with self._lock:
@@ -431,7 +451,7 @@ class Door:
         except BaseException:
             self.fleet.release(seat)
             raise
-        return Run(self, req, stream, http, seat, engine)
+        return Run(self, req, stream, http, seat, engine, greq)
 
     async def serve(self, http: HTTPRequest, body_type: type[B],
                     request: Callable[[B], GenerateRequest], fold: Callable[[B, Run], Fold],
@@ -494,6 +514,7 @@ class Run:
     http: HTTPRequest
     seat: Seat
     engine: Engine
+    greq: GenerateRequest | None = None  # the neutral request (its history's next prefix)
     created: int = field(default_factory=lambda: int(time.time()))
     left: bool = False  # the client went away before the end
     closed: bool = False
@@ -509,6 +530,15 @@ class Run:
         if not self.closed:
             self.closed = True
             self.door.fleet.release(self.seat)
+
+    def keep_history(self, ev: Finished) -> None:
+        """Queue the prefill of the history this conversation's next request starts with
+        (`Engine.keep_history`), in the background where a preparing worker is idle: the
+        answer as every API gives it back (its text, reasoning and calls)."""
+        if self.greq is None or not self.greq.messages:
+            return
+        answer = Message("assistant", ev.text, ev.reasoning, ev.tool_calls)
+        self.door.prepares.spare(self.engine.keep_history, self.greq, answer)
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events. A client that goes away is noticed within ~0.5 s, while
@@ -532,6 +562,7 @@ class Run:
                                               ev.stats.seconds,
                                               unguaranteed=bool(self.request.unguaranteed))
                     self.seat.tokens += ev.usage.completion_tokens
+                    self.keep_history(ev)
                 yield ev
                 if isinstance(ev, (Finished, Failed)):
                     return

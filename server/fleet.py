@@ -1,5 +1,6 @@
 """The models a server serves, by name: each loaded on its first request, at most
-`max_loaded` resident and at most `memory_budget` bytes of weights and grammar caches, the
+`max_loaded` resident and at most `memory_budget` bytes (weights, grammar caches, KV budgets
+and prompt stores: `footprint`), the
 least recently used idle one unloaded to make room, an idle one unloaded past its TTL, a
 pinned one never.
 
@@ -31,6 +32,7 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -117,10 +119,41 @@ def weight_bytes(engine: Engine) -> int:
 
 
 def footprint(engine: Engine) -> int:
-    """What a loaded engine may hold: its weights and its compiled-grammar cache, full (the
-    cache fills as requests bring grammars, and only an unload empties it)."""
+    """What a loaded engine may hold: its weights, and full (they fill as requests come, and
+    only an unload empties them) its compiled-grammar cache, its KV budget (`Engine.kv_bytes`)
+    and its prompt store's bound."""
     compiler = getattr(engine, "compiler", None)
-    return weight_bytes(engine) + (compiler.cache_bytes if compiler is not None else 0)
+    store = getattr(engine, "kv_store", None)
+    return (weight_bytes(engine) + (compiler.cache_bytes if compiler is not None else 0)
+            + getattr(engine, "kv_bytes", 0) + (store.max_bytes if store is not None else 0))
+
+
+KV_BUDGET_SHARE = 4  # under a memory budget, an "auto" KV budget is 1/4 of it
+PROMPT_STORE_SHARE = 16  # and the prompt store at most 1/16 of it
+
+
+def within_budget(spec: ModelSpec, budget: int) -> ModelSpec:
+    """A model's settings under a server's memory budget: an "auto" KV budget sized to a
+    quarter of it (not of the machine's memory), its prompt store to at most a sixteenth."""
+    c = spec.config
+    kv = c.kv_memory_mb if c.kv_memory_mb is not None or c.max_kv_tokens != "auto" else \
+        (budget // KV_BUDGET_SHARE) >> 20
+    return replace(spec, config=replace(c, kv_memory_mb=kv, prompt_store_mb=min(
+        c.prompt_store_mb, (budget // PROMPT_STORE_SHARE) >> 20)))
+
+
+def kv_estimate(config: dict[str, Any], positions: int) -> int:
+    """The bytes of `positions` KV positions of a model not loaded yet, from its config.json
+    (its activations float32 on the CPU, else its dtype, as `models.load` makes them)."""
+    from specdec.models import gpu_backend
+
+    c = config.get("text_config") or config
+    heads = int(c.get("num_attention_heads") or 1)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or int(c.get("hidden_size") or 0) // heads)
+    size = 2 if gpu_backend() and str(config.get("torch_dtype")) in ("float16",
+                                                                     "bfloat16") else 4
+    return int(c.get("num_hidden_layers") or 0) * kv_heads * 2 * head_dim * size * positions
 
 
 def describe(spec: ModelSpec) -> dict[str, Any]:
@@ -142,22 +175,32 @@ def describe(spec: ModelSpec) -> dict[str, Any]:
 def estimate_bytes(spec: ModelSpec) -> int:
     """What a model will hold before it loads: its (and its draft's) weight files, twice
     that where half-precision weights are widened to float32 (`models.load` on the CPU),
-    and its compiled-grammar cache's size."""
+    its compiled-grammar cache's size, its KV budget (an "auto" one sized to
+    `kv_memory_mb`, else estimated as a quarter of the machine's memory) and its prompt
+    store's bound."""
+    from specdec.engine import KV_MEMORY_SHARE
     from specdec.models import gpu_backend, resolve_model_path
 
-    draft = spec.config.draft_for(spec.path)
-    total = 0
+    c = spec.config
+    draft = c.draft_for(spec.path)
+    total = kv = 0
     for path in [spec.path] + ([draft] if draft not in (None, "self") else []):
         if str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file():
-            total += describe(replace(spec, path=path))["specdec_bytes"]
-            continue
-        d = resolve_model_path(path)
-        size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
-        config = json.loads((d / "config.json").read_text())
-        half = str(config.get("torch_dtype", "")) in ("float16", "bfloat16")
-        total += size * 2 if half and "quantization" not in config and not gpu_backend() \
-            else size
-    return total + (spec.config.grammar_cache_mb << 20)
+            config = describe(replace(spec, path=path))
+            total += config["specdec_bytes"]
+        else:
+            d = resolve_model_path(path)
+            size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+            config = json.loads((d / "config.json").read_text())
+            half = str(config.get("torch_dtype", "")) in ("float16", "bfloat16")
+            total += size * 2 if half and "quantization" not in config and not gpu_backend() \
+                else size
+        if isinstance(c.max_kv_tokens, int) and not isinstance(c.max_kv_tokens, bool):
+            kv += kv_estimate(config, c.max_kv_tokens)
+    if c.max_kv_tokens == "auto":
+        kv = (c.kv_memory_mb << 20 if c.kv_memory_mb is not None else
+              int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_MEMORY_SHARE))
+    return total + (c.grammar_cache_mb << 20) + kv + (c.prompt_store_mb << 20)
 
 
 def trim_heap() -> None:
@@ -177,8 +220,10 @@ class Fleet:
         catalog: the models by name. loader: a spec's engine (loaded, not started).
         max_loaded: most models resident at once (None: no limit).
         memory_budget: most bytes resident at once (None: no limit): a model counts its
-            grammar cache's size and its weight files' size until loaded (twice that for
-            half-precision weights the CPU backend widens), then its parameters' bytes.
+            grammar cache's size, its KV budget's and prompt store's bytes (an "auto" KV
+            budget and the store sized within the budget: `within_budget`), and its weight
+            files' size until loaded (twice that for half-precision weights the CPU backend
+            widens), then its parameters' bytes.
         loaded: engines already loaded, by model name (a single-model server's).
     """
 
@@ -196,6 +241,8 @@ class Fleet:
         self.seats = []
         for spec in catalog.models:
             engine = loaded.get(spec.name)
+            if engine is None and memory_budget is not None:
+                spec = within_budget(spec, memory_budget)
             config = (getattr(engine.target, "config", None) or {} if engine is not None
                       else describe(spec))
             card = card_of(config)
@@ -237,7 +284,7 @@ class Fleet:
     def seat(self, name: str) -> Seat:
         """The seat of a configured name or alias."""
         spec = self.catalog.named(name)
-        return next(s for s in self.seats if s.spec is spec)
+        return next(s for s in self.seats if s.spec.name == spec.name)
 
     def route(self, name: str | None, param: str = "model") -> Seat:
         """The seat a request's `model` names (None or "default": the default).
@@ -250,13 +297,14 @@ class Fleet:
             names = ", ".join(repr(s.name) for s in self.seats)
             raise WireError(404, f"model {name!r} does not exist; this server serves {names}",
                             param=param, code="model_not_found")
-        return next(s for s in self.seats if s.spec is spec)
+        return next(s for s in self.seats if s.spec.name == spec.name)
 
     def loaded(self, name: Any) -> Seat | None:
         """The seat a body's `model` value names, if it is loaded (else None)."""
         spec = self.catalog.named(name) if isinstance(name, str) else \
             self.default.spec if name is None else None
-        seat = next((s for s in self.seats if s.spec is spec), None)
+        seat = next((s for s in self.seats if spec is not None and s.spec.name == spec.name),
+                    None)
         return seat if seat is not None and seat.engine is not None else None
 
     # -- leases and loads ----------------------------------------------------------------

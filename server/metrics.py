@@ -83,7 +83,11 @@ class Metrics:
                       "# TYPE specdec_cancelled_total counter",
                       f"specdec_cancelled_total {sched.cancelled}",
                       "# TYPE specdec_timed_out_total counter",
-                      f"specdec_timed_out_total {sched.timed_out}"]
+                      f"specdec_timed_out_total {sched.timed_out}",
+                      "# TYPE specdec_history_prefills_total counter",
+                      f"specdec_history_prefills_total {sched.history_prefills}",
+                      "# TYPE specdec_history_tokens_computed_total counter",
+                      f"specdec_history_tokens_computed_total {sched.history_computed}"]
         if collective_s is not None:  # a sharded target: rank 0's per-round broadcasts
             lines += ["# TYPE specdec_broadcast_seconds_total counter",
                       f"specdec_broadcast_seconds_total {collective_s:g}"]

@@ -18,6 +18,7 @@ A models file:
     reasoning_format = "think"    # as --reasoning-format
     max_kv_tokens = 65536         # as --max-kv-tokens
     grammar_cache_mb = 64         # as --grammar-cache-mb
+    prompt_store_mb = 512         # as --prompt-store-mb
     ttl = 600                     # unloaded after this many idle seconds
 
 Each entry starts from the command line's engine settings and replaces the fields it gives.
@@ -39,7 +40,7 @@ from .config import DEFAULT_DRAFT, DEFAULT_MODEL, EngineConfig
 from .errors import ModelConfigError, SpecdecError
 
 FIELDS = ("path", "aliases", "draft", "chat_template", "reasoning_format", "max_kv_tokens",
-          "grammar_cache_mb", "pinned", "ttl")
+          "grammar_cache_mb", "prompt_store_mb", "pinned", "ttl")
 DEFAULT_NAME = "default"  # the name every request may use for the default model
 
 
@@ -241,11 +242,12 @@ def _entry(file: Path, name: str, entry: dict[str, Any], base: EngineConfig,
                                            or kv < 1):
             raise fail("must be an integer >= 1, 'auto' or 'none'", "max_kv_tokens")
         config = replace(config, max_kv_tokens=None if kv == "none" else kv)
-    if "grammar_cache_mb" in entry:
-        mb = entry["grammar_cache_mb"]
-        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
-            raise fail("must be an integer >= 0 (megabytes)", "grammar_cache_mb")
-        config = replace(config, grammar_cache_mb=mb)
+    for key in ("grammar_cache_mb", "prompt_store_mb"):
+        if key in entry:
+            mb = entry[key]
+            if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+                raise fail("must be an integer >= 0 (megabytes)", key)
+            config = replace(config, **{key: mb})
     if defaults:
         config = replace(config, defaults=replace(config.defaults, **defaults))
     return ModelSpec(name, path, config, tuple(aliases), pinned,

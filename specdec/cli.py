@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--models-file", action="append", default=[], metavar="FILE",
                    help="models to serve, from a TOML or JSON file (path, aliases, draft, "
                         "chat_template, reasoning_format, max_kv_tokens, grammar_cache_mb, "
-                        "pinned, ttl; see README)")
+                        "prompt_store_mb, pinned, ttl; see README)")
     s.add_argument("--models-dir", action="append", default=[], metavar="DIR",
                    help="serve every model directory in DIR (one with a config.json), each "
                         "named by its directory (repeatable)")
@@ -116,9 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "holding the room busy) waits in line for them to go idle before a "
                         "503 (default 120; the request's own time limit also bounds it)")
     s.add_argument("--memory-budget", default="auto", metavar="MB|auto|none",
-                   help="most megabytes of models loaded at once (weights and grammar cache), "
-                        "made room for as for --max-loaded ('auto', the default: half the "
-                        "machine's memory)")
+                   help="most megabytes of models loaded at once (each its weights, grammar "
+                        "cache, KV budget and prompt store; under a budget an 'auto' KV budget "
+                        "is a quarter of it and a prompt store at most a sixteenth), made room "
+                        "for as for --max-loaded ('auto', the default: half the machine's "
+                        "memory)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
@@ -225,6 +227,11 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "recently used dropped first, counted in --memory-budget (default "
                         f"{DEFAULTS.grammar_cache_mb}; 0 keeps none)")
     masks = DEFAULTS.masks
+    p.add_argument("--prompt-store-mb", type=int, default=None, metavar="MB",
+                   help="megabytes of prompt and answer states each model keeps for later "
+                        "requests (a conversation's next turn restores them), least recently "
+                        "used dropped first, counted in --memory-budget (default "
+                        f"{DEFAULTS.prompt_store_mb}; 0 keeps none)")
     p.add_argument("--grammar-slow-mask", type=float, default=None,
                    help=f"seconds (default {masks.slow_s:g}): a request whose grammar mask "
                         "takes longer decodes plainly, its masks filled off the batch's rounds")
@@ -311,6 +318,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             raise SystemExit(f"specdec: error: --grammar-cache-mb {args.grammar_cache_mb}: "
                              "megabytes (an integer >= 0)")
         changes["grammar_cache_mb"] = args.grammar_cache_mb
+    if args.prompt_store_mb is not None:
+        if args.prompt_store_mb < 0:
+            raise SystemExit(f"specdec: error: --prompt-store-mb {args.prompt_store_mb}: "
+                             "megabytes (an integer >= 0)")
+        changes["prompt_store_mb"] = args.prompt_store_mb
     kv = _choice("--max-kv-tokens", args.max_kv_tokens, ("auto", "none"))
     if kv is not None:
         changes["max_kv_tokens"] = None if kv == "none" else kv

@@ -18,6 +18,7 @@ MAX_TREE_NODES = 32
 DEFAULT_MODEL = "default"  # the embedded model (`models.load`)
 DEFAULT_DRAFT = "default-draft"  # its shipped distilled draft
 DEFAULT_MAX_TOKENS = 256  # a request's output tokens where it names none (`EngineDefaults`)
+PROMPT_STORE_MB = 1024  # the prompt store's bound (`EngineConfig.prompt_store_mb`)
 GRAMMAR_CACHE_MB = 256  # compiled grammars kept per model (`EngineConfig.grammar_cache_mb`)
 
 
@@ -180,6 +181,11 @@ class EngineConfig:
         parser_limits: llguidance's parser limits, by name (None: `grammar.PARSER_LIMITS`).
         grammar_cache_mb: megabytes of compiled grammars kept for reuse (least recently
             used dropped first; `grammar.GrammarCompiler`).
+        kv_memory_mb: the megabytes an "auto" KV budget sizes itself to (None: a quarter of
+            the machine's memory; a server of several models with a memory budget gives each
+            a quarter of that budget).
+        prompt_store_mb: megabytes of prompt and answer states the prompt store keeps
+            (`decode.PromptKVCache`; least recently used dropped first).
     """
 
     draft: str = "auto"
@@ -191,6 +197,8 @@ class EngineConfig:
     max_kv_tokens: int | None | Literal["auto"] = "auto"
     parser_limits: dict[str, int] | None = None
     grammar_cache_mb: int = GRAMMAR_CACHE_MB
+    kv_memory_mb: int | None = None
+    prompt_store_mb: int = PROMPT_STORE_MB
 
     def draft_for(self, model: str) -> str | None:
         """The draft to load for target `model` ("self" or a name), or None."""

@@ -182,6 +182,8 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     s.bias = bias_vector(params, models.vocab_size)
     s.logprobs = req.logprobs
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
+    if req.prefill_only:
+        s.max_tokens = 0  # a history prefill: it generates nothing (`prefill_arrivals`)
     if s.spec is not None and s.spec.lookup:
         s.index = NgramIndex(s.seq)
     if s.spec is not None and s.spec.suffix and suffixes is not None:
@@ -316,11 +318,15 @@ def _restore_prefix(models: Models, s: DecodeState, head: list[TokenId],
                     kv_store: PromptKVCache) -> int:
     """Load the longest stored target state `head` starts with, and bring the draft's cache
     to the same position; returns that position (0: nothing stored, caches untouched)."""
+    # A history prefill's state, once stored under `head`, supersedes the one it came from.
+    supersede = head if s.max_tokens == 0 else None
     at = kv_store.restore_prefix(models.target, head, s.t_cache,
-                                 trims=ragged.exact_prefix(s.t_cache))
+                                 trims=ragged.exact_prefix(s.t_cache), supersede=supersede)
     if at and s.d_cache:
         d_at = kv_store.restore_prefix(models.draft, head[:at], s.d_cache,
-                                       trims=ragged.exact_prefix(s.d_cache))
+                                       trims=ragged.exact_prefix(s.d_cache),
+                                       supersede=supersede)
+        s.stats.draft_cached = d_at
         if d_at < at:
             prefill_tokens(models.draft, head[d_at:at], s.d_cache)
             if at == len(head):  # a whole prompt: stored for the next one as the target's is

@@ -26,11 +26,11 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from .chat import NO_TEMPLATE
-from .config import (GRAMMAR_CACHE_MB, LIMITS, EngineConfig, EngineDefaults, MaskBudget,
-                     SpecConfig)
+from .config import (GRAMMAR_CACHE_MB, LIMITS, PROMPT_STORE_MB, EngineConfig, EngineDefaults,
+                     MaskBudget, SpecConfig)
 from .core import DecodeState, Models, new_state
 from .decode import PREFILL_CHUNK, PromptKVCache
-from .errors import CompileTimeout, DraftConfigError, RequestError
+from .errors import CompileTimeout, DraftConfigError, RequestError, SpecdecError
 from .events import Event, Failed, Finished, GenerationStats, RequestStream
 from .grammar import CompiledGrammar, GrammarCompiler
 from .lookup import SuffixStore, grammar_key
@@ -38,7 +38,7 @@ from .models import LoadedModel, gpu_backend
 from .reasoning import Thinking
 from .output import Output
 from .prepare import Preparer, Request
-from .request import GenerateRequest, kv_positions
+from .request import GenerateRequest, Message, kv_positions
 from .scheduler import Decisions, Scheduler, SchedulerStats, Ticket, follower
 from .speculative import TreeCosts
 from .tools import ToolFormat
@@ -109,7 +109,8 @@ class Engine:
                  masks: MaskBudget = MaskBudget(),
                  parser_limits: dict[str, int] | None = None,
                  max_kv_tokens: int | None | Literal["auto"] = "auto",
-                 grammar_cache_mb: int = GRAMMAR_CACHE_MB) -> None:
+                 grammar_cache_mb: int = GRAMMAR_CACHE_MB, kv_memory_mb: int | None = None,
+                 prompt_store_mb: int = PROMPT_STORE_MB) -> None:
         # what it was built with (`Engine.load` sets the config it was given)
         self.config = EngineConfig(draft="none" if draft is None else
                                    "self" if draft is target else draft.name,
@@ -117,7 +118,8 @@ class Engine:
                                    draft_max_batch=draft_max_batch, defaults=defaults,
                                    masks=masks, max_kv_tokens=max_kv_tokens,
                                    parser_limits=parser_limits,
-                                   grammar_cache_mb=grammar_cache_mb)
+                                   grammar_cache_mb=grammar_cache_mb,
+                                   kv_memory_mb=kv_memory_mb, prompt_store_mb=prompt_store_mb)
         if draft is not None:
             check_draft(target, draft)
         if draft_max_batch == "auto":
@@ -130,7 +132,10 @@ class Engine:
         self.target = target
         self.draft = draft
         self.masks = masks
-        self.kv_store = PromptKVCache()
+        for name, mb in (("kv_memory_mb", kv_memory_mb), ("prompt_store_mb", prompt_store_mb)):
+            if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 0):
+                raise RequestError(f"{name}={mb!r}: must be an integer >= 0", param=name)
+        self.kv_store = PromptKVCache(max_bytes=prompt_store_mb << 20)
         self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix`
         self.tree_costs = TreeCosts()  # what branch rows cost on this machine now
         if isinstance(grammar_cache_mb, bool) or not isinstance(grammar_cache_mb, int) \
@@ -143,7 +148,8 @@ class Engine:
             cache_bytes=grammar_cache_mb << 20)
         context_length = int(target.config.get("max_position_embeddings") or 2048)
         if max_kv_tokens == "auto":
-            max_kv_tokens = kv_budget(target, draft, context_length)
+            max_kv_tokens = kv_budget(target, draft, context_length,
+                                      None if kv_memory_mb is None else kv_memory_mb << 20)
         if max_kv_tokens is not None and (not isinstance(max_kv_tokens, int)
                                           or max_kv_tokens < 1):
             raise RequestError(f"max_kv_tokens={max_kv_tokens!r}: must be an integer >= 1 "
@@ -186,7 +192,8 @@ class Engine:
                      draft_max_batch=config.draft_max_batch, defaults=config.defaults,
                      masks=config.masks, parser_limits=config.parser_limits,
                      max_kv_tokens=config.max_kv_tokens,
-                     grammar_cache_mb=config.grammar_cache_mb)
+                     grammar_cache_mb=config.grammar_cache_mb,
+                     kv_memory_mb=config.kv_memory_mb, prompt_store_mb=config.prompt_store_mb)
         engine.config = config
         return engine
 
@@ -293,6 +300,29 @@ class Engine:
                                 replica=for_replicas(req) if self._replicas else None))
         return stream
 
+    def keep_history(self, request: GenerateRequest, answer: Message) -> int:
+        """After `request` finished with `answer` (as its API gives it back): queue the
+        prefill of the history its conversation's next request starts with
+        (`Preparer.history_ids`) into the prompt store, target and draft, restored from the
+        answer's own kept state up to where they part (reasoning the template drops, calls
+        it re-serializes); that kept state is then superseded. Returns the positions of the
+        history queued (0: none: no scheduler thread, no history, or no room now)."""
+        from .distributed import for_replicas
+
+        sched = self._scheduler
+        if sched is None or self.kv_store is None:
+            return 0
+        try:
+            req = self.preparer.history_request(request, answer)
+            if req is None:
+                return 0
+            sched.submit(Ticket(req, Output(self.decode_text, drop),
+                                timeout_s=self.request_timeout_s,
+                                replica=for_replicas(req) if self._replicas else None))
+        except SpecdecError:  # no room now (queue full, stopped): the next turn computes it
+            return 0
+        return len(req.prompt_ids) - 1
+
     def _pump(self) -> bool:
         """One round of the threadless scheduler, on the calling thread."""
         assert self._inline is not None
@@ -397,6 +427,12 @@ class Engine:
     def max_kv_tokens(self) -> int | None:
         return self.preparer.max_kv_tokens
 
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes its KV budget may hold (0: no budget, `max_kv_tokens` None)."""
+        n = self.max_kv_tokens
+        return 0 if n is None else n * kv_position_bytes(self.target, self.draft)
+
     def encode(self, text: str, *, raw: bool = False) -> list[TokenId]:
         """`Preparer.encode`"""
         return self.preparer.encode(text, raw=raw)
@@ -466,13 +502,22 @@ class EngineStatus:
 KV_MEMORY_SHARE = 0.25  # of the machine's memory (a GPU's working set), for "auto"
 
 
-def kv_budget(target: LoadedModel, draft: LoadedModel | None, context_length: int) -> int:
-    """The default KV budget (positions): a quarter of the memory MLX may use, over the
-    target's (and the draft's) KV bytes per position; at least one full-context request."""
+def kv_position_bytes(target: LoadedModel, draft: LoadedModel | None) -> int:
+    """The bytes one position of a request's KV takes: the target's and its draft's."""
     from .ragged import kv_bytes_per_position
 
-    per = kv_bytes_per_position(target.model) + (
+    return kv_bytes_per_position(target.model) + (
         kv_bytes_per_position(draft.model) if draft is not None and draft is not target else 0)
+
+
+def kv_budget(target: LoadedModel, draft: LoadedModel | None, context_length: int,
+              memory: int | None = None) -> int:
+    """The default KV budget (positions): `memory` bytes (None: a quarter of the memory MLX
+    may use) over the target's (and the draft's) KV bytes per position; at least one
+    full-context request."""
+    per = kv_position_bytes(target, draft)
+    if memory is not None:
+        return max(memory // max(1, per), kv_positions(context_length, 0))
     try:
         memory = int(mx.metal.device_info()["max_recommended_working_set_size"]) \
             if gpu_backend() and mx.metal.is_available() else \

@@ -15,6 +15,7 @@ import ctypes.util
 import functools
 import json
 import re
+import sys
 import threading
 import time
 import weakref
@@ -156,6 +157,15 @@ class CompiledGrammar:
     # so it goes when the grammar leaves the cache
     _needs: dict[tuple, tuple[int | None, str]] = field(default_factory=dict, repr=False,
                                                         compare=False)
+    # the compiler whose cache holds it (a weak reference), for `evict`
+    _owner: Any = field(default=None, repr=False, compare=False)
+
+    def evict(self) -> None:
+        """Leave the compiler's cache (a grammar that failed at its first step: too costly
+        to be worth keeping for the next request)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None:
+            owner.forget(self)
 
     def matcher(self) -> LLMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -330,7 +340,10 @@ class GrammarCompiler:
     adversarial corpus: the sizes sum to within 3% of what clearing the cache frees). A
     grammar larger than the whole cache is compiled and used, not kept.
 
-    Thread-safe: the cache is guarded; compilation itself runs outside the lock.
+    Thread-safe: the cache is guarded; compilation itself runs outside the lock. A grammar
+    that leaves the cache (evicted, forgotten) is let go only while no compile measures the
+    heap and nothing else holds it (`_let_go`), so that its freed memory never hides a
+    compiling grammar's bytes from that measurement.
     """
 
     def __init__(self, tokenizer: LLTokenizer, cache_bytes: int = GRAMMAR_CACHE_BYTES,
@@ -345,6 +358,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._held = 0  # the cached grammars' bytes
         self._lock = threading.Lock()
+        self._gone: list[CompiledGrammar] = []  # out of the cache, not let go yet
+        self._measuring = 0  # compiles measuring the heap now
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -365,8 +380,30 @@ class GrammarCompiler:
     def clear(self) -> None:
         """Empty the cache (requests holding a grammar keep it)."""
         with self._lock:
+            self._gone += self._cache.values()
             self._cache.clear()
             self._held = 0
+            self._let_go()
+
+    def forget(self, grammar: CompiledGrammar) -> bool:
+        """Drop `grammar` from the cache, where it is the one cached for its text."""
+        with self._lock:
+            if self._cache.get(grammar.text) is not grammar:
+                return False
+            del self._cache[grammar.text]
+            self._held -= grammar.nbytes
+            self.evictions += 1
+            self._gone.append(grammar)
+            self._let_go()
+            return True
+
+    def _let_go(self) -> None:
+        """Free the grammars out of the cache that nothing else holds (a request's held one
+        waits for a later call), unless a compile is measuring the heap (the caller holds
+        `_lock`)."""
+        if self._gone and not self._measuring:
+            # (a grammar held only here: this list, the loop's name, getrefcount's argument)
+            self._gone = [g for g in self._gone if sys.getrefcount(g) > 3]
 
     def closing_order(self, vocab_size: int) -> ClosingOrder:
         """The tokenizer's closing order for logits `vocab_size` wide (`budget`), built once
@@ -439,11 +476,37 @@ class GrammarCompiler:
         if thinking is not None:
             text = think_grammar(text, thinking, self.markup)
         with self._lock:
+            self._let_go()
             hit = self._cache.get(text)
             if hit is not None:
                 self._cache.move_to_end(text)
                 self.hits += 1
                 return hit
+            self._measuring += 1
+        try:
+            compiled = self._compile(c, text)
+        finally:
+            with self._lock:
+                self._measuring -= 1
+        with self._lock:
+            self.misses += 1
+            old = self._cache.pop(text, None)  # compiled twice at once: keep the last
+            if old is not None:
+                self._held -= old.nbytes
+                self._gone.append(old)
+            if compiled.nbytes <= self.cache_bytes:
+                self._cache[text] = compiled
+                self._held += compiled.nbytes
+            while self._held > self.cache_bytes:
+                _, gone = self._cache.popitem(last=False)
+                self._held -= gone.nbytes
+                self._gone.append(gone)
+                self.evictions += 1
+            self._let_go()
+        return compiled
+
+    def _compile(self, c: Constraint, text: str) -> CompiledGrammar:
+        """Compile `text` (of constraint `c`), measuring the heap it adds."""
         limits = llguidance.LLParserLimits(**self.limits)
         before = heap_in_use()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer,
@@ -468,18 +531,5 @@ class GrammarCompiler:
         # little less than it could).
         nbytes = (grammar_bytes_estimate(text) if before is None or after is None
                   else max(after - before, 2 * len(text.encode())))
-        compiled = CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template,
-                                   nbytes)
-        with self._lock:
-            self.misses += 1
-            old = self._cache.pop(text, None)  # compiled twice at once: keep the last
-            if old is not None:
-                self._held -= old.nbytes
-            if nbytes <= self.cache_bytes:
-                self._cache[text] = compiled
-                self._held += nbytes
-            while self._held > self.cache_bytes:
-                _, gone = self._cache.popitem(last=False)
-                self._held -= gone.nbytes
-                self.evictions += 1
-        return compiled
+        return CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template, nbytes,
+                               _owner=weakref.ref(self))

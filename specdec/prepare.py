@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from .chat import NO_THINK_KWARGS, render_chat, render_thinking
 from .config import DEFAULT_MAX_TOKENS, EngineDefaults, SpecConfig
-from .errors import ChatTemplateError, CompileTimeout, RequestError, TemplateThinksError
+from .errors import (ChatTemplateError, CompileTimeout, RequestError, SpecdecError,
+                     TemplateThinksError)
 from .grammar import CompiledGrammar, GrammarCompiler, schema_dict, to_grammar
 from .models import LoadedModel
 from .reasoning import Thinking, ThinkingCursor, marker_ids
@@ -60,6 +61,9 @@ class Request:
         unguaranteed: why a constrained output is served without the budget rule (no
             closing was found within its bound), or None; reported as a warning
             (`budget_unguaranteed`).
+        prefill_only: a history prefill (`Engine.keep_history`): the prompt but its last
+            token is prefilled into the prompt store, target and draft, and the request ends
+            there, generating nothing.
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -75,6 +79,7 @@ class Request:
     calls: CallParser | None = field(default=None, repr=False, compare=False)
     closing: Closing | None = field(default=None, repr=False, compare=False)
     unguaranteed: str | None = None
+    prefill_only: bool = False
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -213,49 +218,15 @@ class Preparer:
             raise RequestError("give either messages or a prompt", param="messages")
         if tools and r.prompt is not None:
             raise RequestError("tools need chat messages, not a raw prompt", param="tools")
-        thinking = None
-        fmt: ToolFormat | None = None
         if r.prompt is not None:
             if r.thinking:
                 raise RequestError("thinking needs chat messages, not a raw prompt",
                                    param="thinking")
             ids = (self.encode(r.prompt, raw=True) if isinstance(r.prompt, str)
                    else list(r.prompt))
+            thinking, fmt = None, None
         else:
-            history = any(m.tool_calls or m.role == "tool" for m in r.messages)
-            if tools or history:
-                fmt = self.tool_format()
-            msgs = [template_message(m, i, fmt) for i, m in enumerate(r.messages)]
-            kwargs = dict(r.template_kwargs)
-            if r.reasoning_effort is not None:
-                kwargs.setdefault("reasoning_effort", r.reasoning_effort)
-            if r.thinking and r.thinking_budget is not None:  # Seed-OSS reads it
-                kwargs.setdefault("thinking_budget", r.thinking_budget)
-            schemas = [tool_schema(t) for t in tools]
-            turns = [msgs]
-            if fmt is not None and fmt.source == "generic":
-                turns = [generic_messages(msgs, schemas)]
-                if schemas and msgs[0]["role"] != "system":  # a template may refuse one
-                    turns.append(generic_messages(msgs, schemas, system=False))
-            elif tools:  # the template shows the model its tools
-                kwargs["tools"] = schemas
-            constrained = bool(tools) or r.constraint is not None
-            for n, msgs in enumerate(turns):
-                try:
-                    if r.thinking:
-                        ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
-                    else:
-                        try:
-                            ids = self.chat_prompt(msgs, constrained=constrained,
-                                                   template_kwargs=kwargs,
-                                                   answer_header=not tools)
-                        except TemplateThinksError:  # it always thinks: think, then answer
-                            ids, thinking = self.chat_prompt_thinking(
-                                msgs, template_kwargs=kwargs)
-                    break
-                except ChatTemplateError:
-                    if n == len(turns) - 1:
-                        raise
+            ids, thinking, fmt = self._render(r, tools)
         constraint = r.constraint
         calls = None
         if tools:
@@ -289,6 +260,93 @@ class Preparer:
                                 close_at_budget=r.close_at_budget,
                                 closing_hints=self._closing_hints(fmt) if tools else ())
         return dataclasses.replace(req, tools=tools, calls=calls)
+
+    def history_ids(self, r: GenerateRequest, answer: Message) -> list[TokenId] | None:
+        """The prompt ids a conversation's next request starts with once `answer` (this
+        request's, as its API gives it back: text, reasoning, calls) is in its history.
+
+        The longest common prefix of the request rendered with the answer and either of two
+        next turns that differ only in their text (a result for each call, else a user
+        turn): what the template writes for the answer (reasoning it drops, calls it
+        re-serializes) and the next turn's opening are in it, the next turn's own text is
+        not. None: a raw prompt, or a history the template refuses."""
+        if r.prompt is not None or not r.messages:
+            return None
+        tools = self._tools(r)
+
+        def rendered(text: str) -> list[TokenId]:
+            nxt = tuple(Message("tool", text, tool_call_id=c.id, name=c.name)
+                        for c in answer.tool_calls) or (Message("user", text),)
+            return self._render(dataclasses.replace(r, messages=(*r.messages, answer, *nxt)),
+                                tools)[0]
+
+        try:
+            a, b = rendered("0"), rendered("1")
+        except SpecdecError:
+            return None
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return a[:n]
+
+    def history_request(self, r: GenerateRequest, answer: Message) -> Request | None:
+        """A history prefill (`Request.prefill_only`) of `history_ids(r, answer)`, with the
+        draft where requests speculate; None where there is no history to prefill or it
+        does not fit the context or the KV bound. Its prompt is the history and a
+        placeholder last token (a prompt's last token is the first one decoding feeds,
+        never prefilled)."""
+        ids = self.history_ids(r, answer)
+        if not ids:
+            return None
+        n = len(ids) + 1
+        if n + 1 > self.context_length or (self.max_kv_tokens is not None
+                                           and kv_positions(n, 1) > self.max_kv_tokens):
+            return None
+        spec = (dataclasses.replace(self.default_spec, lookup=False, suffix=False)
+                if self.speculates and self.default_spec is not None else None)
+        return Request((*ids, ids[-1]), max_tokens=1, spec=spec, prefill_only=True)
+
+    def _render(self, r: GenerateRequest, tools: tuple[Tool, ...]
+                ) -> tuple[list[TokenId], Thinking | None, ToolFormat | None]:
+        """A chat request's prompt ids, its reasoning protocol (None: it does not think)
+        and its tool format (None: no tools and no calls in its history)."""
+        thinking = None
+        fmt: ToolFormat | None = None
+        history = any(m.tool_calls or m.role == "tool" for m in r.messages)
+        if tools or history:
+            fmt = self.tool_format()
+        msgs = [template_message(m, i, fmt) for i, m in enumerate(r.messages)]
+        kwargs = dict(r.template_kwargs)
+        if r.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", r.reasoning_effort)
+        if r.thinking and r.thinking_budget is not None:  # Seed-OSS reads it
+            kwargs.setdefault("thinking_budget", r.thinking_budget)
+        schemas = [tool_schema(t) for t in tools]
+        turns = [msgs]
+        if fmt is not None and fmt.source == "generic":
+            turns = [generic_messages(msgs, schemas)]
+            if schemas and msgs[0]["role"] != "system":  # a template may refuse one
+                turns.append(generic_messages(msgs, schemas, system=False))
+        elif tools:  # the template shows the model its tools
+            kwargs["tools"] = schemas
+        constrained = bool(tools) or r.constraint is not None
+        for n, msgs in enumerate(turns):
+            try:
+                if r.thinking:
+                    ids, thinking = self.chat_prompt_thinking(msgs, template_kwargs=kwargs)
+                else:
+                    try:
+                        ids = self.chat_prompt(msgs, constrained=constrained,
+                                               template_kwargs=kwargs,
+                                               answer_header=not tools)
+                    except TemplateThinksError:  # it always thinks: think, then answer
+                        ids, thinking = self.chat_prompt_thinking(
+                            msgs, template_kwargs=kwargs)
+                break
+            except ChatTemplateError:
+                if n == len(turns) - 1:
+                    raise
+        return ids, thinking, fmt
 
     def _tools(self, r: GenerateRequest) -> tuple[Tool, ...]:
         """The tools the output may call (none with tool_choice "none")."""

@@ -26,8 +26,8 @@ from . import ragged
 from .core import (DecodeState, Models, decode_plainly, keep_answer, mask_decisions,
                    prefill_arrivals, run_round)
 from .decode import PromptKVCache
-from .errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull,  # noqa: F401
-                     SchedulerStopped, SpecdecError)
+from .errors import (Cancelled, DeadlineExceeded, GrammarTooComplex,  # noqa: F401
+                     InternalError, QueueFull, SchedulerStopped, SpecdecError)
 from .output import Output
 from .prepare import Request
 from .speculative import TREE_MIN_SCORE
@@ -103,6 +103,8 @@ class SchedulerStats:
     last_batch: int = 0
     cancelled: int = 0
     timed_out: int = 0
+    history_prefills: int = 0  # history prefills done (`Engine.keep_history`)
+    history_computed: int = 0  # positions they computed (the rest was restored)
 
 
 class Scheduler:
@@ -155,11 +157,19 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        """Requests waiting (history prefills, background work, not counted)."""
+        return sum(not t.request.prefill_only for t in tuple(self._waiting))  # (a snapshot:
+        # other threads read it while the loop changes the queue)
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        """Requests decoding (history prefills not counted)."""
+        return sum(not t.request.prefill_only for t in tuple(self._active))
+
+    @property
+    def background(self) -> int:
+        """History prefills waiting or running (`Engine.keep_history`)."""
+        return sum(t.request.prefill_only for t in (*tuple(self._waiting), *tuple(self._active)))
 
     def check_room(self) -> None:
         """Raise what `submit` would raise now for want of room (QueueFull, or
@@ -181,14 +191,17 @@ class Scheduler:
             self.stats.cancelled += 1
             t.output.fail(Cancelled("the request was cancelled while it waited"))
         # Capacity: max_batch decoding plus max_queue waiting (admission lags a round).
-        if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
+        if self.queue_depth + self.active >= self.max_batch + self.max_queue:
             raise QueueFull(f"{self.max_batch} requests are decoding and "
                             f"{len(self._waiting)} waiting (at most {self.max_queue})")
 
     def submit(self, ticket: Ticket) -> None:
-        """Queue a request. Raises QueueFull when `max_queue` requests already wait."""
+        """Queue a request. Raises QueueFull when `max_queue` requests already wait (a
+        history prefill: when `max_batch` of them are in hand already)."""
         with self._cv:
             self._check_room()
+            if ticket.request.prefill_only and self.background >= self.max_batch:
+                raise QueueFull(f"{self.background} history prefills are in hand")
             ticket.t0 = time.perf_counter()
             self._keys += 1
             ticket.key = self._keys
@@ -424,6 +437,12 @@ class Scheduler:
                 for t in arriving:
                     self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
                         f"the prompt's prefill failed: {e}"))
+        for t in [t for t in self._active if t.request.prefill_only and t.state is not None
+                  and t.state.to_prefill == 0]:
+            t.state.finish = "stop"  # a history prefill: stored, nothing to generate
+            self.stats.history_prefills += 1
+            self.stats.history_computed += len(t.state.prompt) - 1 - t.state.stats.prompt_cached
+            self._finish(t)
         ready = [t for t in self._active if t.state is not None and t.state.ready
                  and t not in idle]
         if ready:
@@ -459,6 +478,9 @@ class Scheduler:
             if error is None and self.kv_store is not None:
                 keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
             t.state.release()
+            if isinstance(error, GrammarTooComplex) and s.emitted <= 1 and \
+                    t.request.grammar is not None:
+                t.request.grammar.evict()  # too costly at its first step: not kept
             if not self._active or t.request.kv_positions > ragged.SLOT_POSITIONS:
                 mx.clear_cache()  # MLX keeps freed buffers for reuse: memory goes back now
         if error is not None:

@@ -407,6 +407,33 @@ def test_the_rules_grammar_work_stops_at_the_requests_grammar_budget(embedded, m
         e.close()
 
 
+def test_a_grammar_too_costly_at_its_first_step_leaves_the_cache(embedded, monkeypatch):
+    # Its masks take longer than the per-fill limit (injected): the request ends with
+    # grammar_too_complex in its first round, and the compiled grammar is not kept for the
+    # next request.
+    from specdec import request_grammar
+    from specdec.config import MaskBudget
+    from specdec.engine import Engine
+    from specdec.errors import GrammarTooComplex
+
+    e = Engine(embedded, None, masks=MaskBudget(slow_s=0.05, mask_s=0.3, total_s=5.0))
+    try:
+        c = Constraint.json_schema(KINDS["contact"])
+        req = e.prepare(GenerateRequest(messages=(Message("user", USER),), constraint=c,
+                                        max_tokens=200, spec=None))
+        assert e.compiler.compile(c) is req.grammar  # cached by its preparation
+        monkeypatch.setattr(request_grammar, "llnp", _SlowFills(0.6))
+        with pytest.raises(GrammarTooComplex) as err:
+            e.generate(req)
+        assert err.value.position <= 1
+        assert e.compiler.compile(c) is not req.grammar  # compiled again: it was dropped
+    finally:
+        e.close()
+
+
+ # -- tool arguments in every tool format -------------------------------------------------------
+
+
 # -- tool arguments in every tool format -------------------------------------------------------
 
 # (In the formats that write arguments as elements, a string argument is raw text whose

@@ -10,6 +10,7 @@ request's tokens do not depend on the other models' requests.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ import pytest
 
 from server.app import create_app
 from server.door import ServeConfig
-from server.fleet import Fleet, weight_bytes
+from server.fleet import Fleet, kv_estimate, weight_bytes
 from specdec.catalog import Catalog, ModelSpec, build
 from specdec.config import EngineConfig
 from specdec.engine import Engine
@@ -34,6 +35,8 @@ from tests.families import make_family
 from tests.serverproc import InProcess
 
 BASE = replace(EngineConfig(), draft="none")
+# a KV budget and a prompt store of a set size (counted in a memory budget as weights are)
+SIZED = replace(BASE, max_kv_tokens=2048, prompt_store_mb=0)
 ASK = [{"role": "user", "content": "Name three colours."}]
 
 
@@ -208,7 +211,7 @@ def test_the_least_recently_used_idle_model_is_unloaded_to_make_room(dirs, embed
 def test_a_memory_budget_that_holds_two_of_three_unloads_the_least_recently_used(
         tmp_path, embedded):
     names = ("q0", "q1", "q2")  # one family, three seeds: the same size
-    specs = [ModelSpec(n, str(make_family("qwen2.5", tmp_path / n, seed=i)), BASE)
+    specs = [ModelSpec(n, str(make_family("qwen2.5", tmp_path / n, seed=i)), SIZED)
              for i, n in enumerate(names)]
     size = Fleet(Catalog(tuple(specs), "q0"), Loader(embedded)).seats[0].bytes
     loader = Loader(embedded)
@@ -239,11 +242,11 @@ def test_the_memory_budget_counts_each_models_grammar_cache(tmp_path, embedded):
     size: a budget with room for two models' weights holds two with no grammar cache and
     one with 64 MB each."""
     path = str(make_family("qwen2.5", tmp_path / "q"))
-    bare = [ModelSpec(n, path, replace(BASE, grammar_cache_mb=0)) for n in ("a", "b")]
+    bare = [ModelSpec(n, path, replace(SIZED, grammar_cache_mb=0)) for n in ("a", "b")]
     weights = Fleet(Catalog(tuple(bare), "a"), Loader(embedded)).seats[0].bytes
     budget = 2 * weights + (64 << 20)
     for mb, both in ((0, True), (64, False)):
-        specs = [ModelSpec(n, path, replace(BASE, grammar_cache_mb=mb)) for n in ("a", "b")]
+        specs = [ModelSpec(n, path, replace(SIZED, grammar_cache_mb=mb)) for n in ("a", "b")]
         fleet = Fleet(Catalog(tuple(specs), "a"), Loader(embedded), memory_budget=budget)
         srv = InProcess(create_app(fleet, ServeConfig()), fleet)
         try:
@@ -255,7 +258,8 @@ def test_the_memory_budget_counts_each_models_grammar_cache(tmp_path, embedded):
                 assert r.status_code == 200, r.text
             assert loaded(srv) == ({"a", "b"} if both else {"b"}), mb
             seat = fleet.seat("b")
-            assert seat.bytes == weight_bytes(seat.engine) + (mb << 20)  # loaded: measured
+            assert seat.bytes == weight_bytes(seat.engine) + (mb << 20) + (  # loaded: measured
+                seat.engine.kv_bytes + (SIZED.prompt_store_mb << 20))
             metrics = srv.http.get("/metrics").text
             assert f'specdec_grammar_cache_limit_bytes{{model="b"}} {mb << 20}' in metrics
             held = seat.engine.compiler.cached_bytes
@@ -564,6 +568,37 @@ def test_memory_comes_back_after_an_unload(serve, embedded, tmp_path):
     assert after_ttl - before < 0.35 * size  # the unloaded model's memory came back
     # No second model's worth resident, and little left behind per load (measured: ~5 MB)
     assert max(cycled) - loaded < 0.15 * size
+
+
+def test_each_models_kv_budget_and_prompt_store_count_in_the_memory_budget(tmp_path,
+                                                                           embedded):
+    """Two models whose weights fit the budget together but whose KV budgets do not: one
+    loaded at a time; with KV budgets that fit, both. An "auto" KV budget under a memory
+    budget is a quarter of it, the prompt store at most a sixteenth."""
+    path = str(make_family("qwen2.5", tmp_path / "q"))
+    small = replace(SIZED, grammar_cache_mb=0)
+    bare = Fleet(Catalog((ModelSpec("a", path, replace(small, max_kv_tokens=None,
+                                                        prompt_store_mb=0)),), "a"),
+                 Loader(embedded)).seats[0].bytes  # weights alone
+    per = kv_estimate(json.loads((Path(path) / "config.json").read_text()), 1)
+    big = replace(small, max_kv_tokens=((max(bare, 16 << 20) // per) // 256 + 1) * 256)
+    budget = 2 * bare + 3 * (big.max_kv_tokens * per) // 2 + (4 << 20)
+    for config, both in ((big, False), (small, True)):
+        specs = [ModelSpec(n, path, config) for n in ("a", "b")]
+        fleet = Fleet(Catalog(tuple(specs), "a"), Loader(embedded), memory_budget=budget)
+        srv = InProcess(create_app(fleet, ServeConfig()), fleet)
+        try:
+            for name in ("a", "b"):
+                assert ask(srv, "chat", name).status_code == 200
+            assert loaded(srv) == ({"a", "b"} if both else {"b"}), config.max_kv_tokens
+            seat = fleet.seat("b")
+            assert seat.engine.kv_bytes == config.max_kv_tokens * per
+        finally:
+            srv.stop()
+    fleet = Fleet(Catalog((ModelSpec("a", path, BASE),), "a"), Loader(embedded),
+                  memory_budget=1 << 30)
+    assert fleet.seats[0].spec.config.kv_memory_mb == 256
+    assert fleet.seats[0].spec.config.prompt_store_mb == 64
 
 
 def test_the_memory_budget_flag():
