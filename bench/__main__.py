@@ -36,6 +36,11 @@ REQUIRED = (
     "budget_search_minimum_ms_p50", "budget_search_minimum_ms_p99",
     "budget_search_closing_ms_p50", "budget_search_closing_ms_p99", "budget_rule_share_c1",
     "budget_rule_share_c8", "budget_rule_on_over_off_c1", "budget_rule_on_over_off_c8",
+    *(f"agent_loop_{row}_{shape}" for shape in ("plain", "reasoning_dropped",
+                                                 "calls_reserialized")
+      for row in ("computed_over_new", "history_computed", "ttft_last_over_cold",
+                  "draft_cached")),
+    "agent_loop_by_id_over_resend_computed",
 )
 
 
