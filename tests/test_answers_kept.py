@@ -21,8 +21,8 @@ from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
 
-SYSTEM = "Answer in plain words, one short line per item. " * 6
-CHUNK = 48  # the cold side's prefill chunk: prompts take several
+SYSTEM = "Answer in plain words, one short line per item. " * 3
+CHUNK = 24  # the cold side's prefill chunk: prompts take several
 FIRST = [{"role": "system", "content": SYSTEM},
          {"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 16

@@ -14,9 +14,9 @@ and the openai client.
   turn was cut right after a complete call), else "tool_calls".
 
 The calls take most of the time (the prompts carry the definitions: 230-1400 tokens), so a
-session decodes a third of the entries and one of the two larger budgets per function:
+session decodes a sixth of the entries and one of the two larger budgets per function:
 which, is a function of the corpus seed (`SPECDEC_CORPUS_SEED`, default: the day number, as
-tests/test_corpus.py), so three consecutive seeds decode every entry and six every
+tests/test_corpus.py), so six consecutive seeds decode every entry and twelve every
 (function, budget). The server runs as shipped (its fast BLAS): these checks are of validity,
 not of equality with plain decoding, and the suite's reference BLAS prefills ~10x slower.
 """
@@ -108,20 +108,20 @@ def is_parallel(entry: dict[str, Any]) -> bool:
 
 def session_cells(i: int, entry: dict[str, Any], names: list[str],
                   minima: dict[Cell, int]) -> list[Cell]:
-    """Entry i's calls this session: none where (i + seed) is not a multiple of 3; else each
+    """Entry i's calls this session: none where (i + seed) is not a multiple of 6; else each
     function at its minimum and at one of (a few above it, 48), alternating with the function
     and over seeds; "required" at its minimum or 48; the parallel request."""
     n = i + SEED
-    if n % 3:
+    if n % 6:
         return []
     cells = []
     for j, name in enumerate(names):
         least = minima[Cell(name, 0)]
         cells += [Cell(name, b) for b in sorted(
-            {least, (least + ABOVE, max(SMALL, least))[(n // 3 + j) % 2]})]
+            {least, (least + ABOVE, max(SMALL, least))[(n // 6 + j) % 2]})]
     if Cell(None, 0) in minima:
         least = minima[Cell(None, 0)]
-        cells.append(Cell(None, (least, max(SMALL, least))[n // 3 % 2]))
+        cells.append(Cell(None, (least, max(SMALL, least))[n // 6 % 2]))
     if Cell(None, 0, parallel=True) in minima:
         cells.append(Cell(None, minima[Cell(None, 0, parallel=True)] + PARALLEL, parallel=True))
     return cells
@@ -248,7 +248,7 @@ def test_forced_calls_at_small_budgets_are_made_and_valid(client, i):
     body, params = request(entry)
     cells = session_cells(i, entry, list(params), minima(client, entry))
     if not cells:
-        pytest.skip(f"decoded under the other two thirds of seeds (corpus seed {SEED})")
+        pytest.skip(f"decoded under the other five sixths of seeds (corpus seed {SEED})")
     # The first request prefills the prompt; the rest find it in the server's prompt cache.
     bad = [check(client, body, cells[0], params)]
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
