@@ -103,11 +103,12 @@ def _idle(e) -> None:
         time.sleep(0.005)
 
 
-def _run(e, greq: GenerateRequest) -> tuple[Finished, float]:
-    """Submit, iterate to the end; returns the end and the time to the first event."""
+def _run(e, greq: GenerateRequest, req: Any = None) -> tuple[Finished, float]:
+    """Submit (`req`: `greq` prepared), iterate to the end; returns the end and the time to
+    the first event (preparing included)."""
     t0 = time.perf_counter()
     first = None
-    for ev in e.submit(e.prepare(greq)):
+    for ev in e.submit(req if req is not None else e.prepare(greq)):
         if first is None:
             first = time.perf_counter() - t0
         if isinstance(ev, Failed):
@@ -155,9 +156,13 @@ def _loop(e, shape: str) -> dict[str, Any]:
         calling = msgs[-1].role == "user"
         greq = _request(msgs, calling, thinking)
         before = e.scheduler.stats.history_computed
-        end, first = _run(e, greq)
+        t0 = time.perf_counter()
+        req = e.prepare(greq)
+        prep = time.perf_counter() - t0
+        end, first = _run(e, greq, req)
+        first += prep  # (as the cold run's, which prepares in `_run`)
         answer = Message("assistant", end.text, end.reasoning, end.tool_calls)
-        e.keep_history(greq, answer)  # what the server does after an answer
+        e.keep_history(greq, answer, req)  # what the server does after an answer
         _idle(e)
         c = end.stats.counters
         turns.append({"prompt": end.usage.prompt_tokens, "cached": end.usage.cached_tokens,

@@ -538,7 +538,7 @@ class Run:
         if self.greq is None or not self.greq.messages:
             return
         answer = Message("assistant", ev.text, ev.reasoning, ev.tool_calls)
-        self.door.prepares.spare(self.engine.keep_history, self.greq, answer)
+        self.door.prepares.spare(self.engine.keep_history, self.greq, answer, self.request)
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events. A client that goes away is noticed within ~0.5 s, while

@@ -181,9 +181,11 @@ def estimate_bytes(spec: ModelSpec) -> int:
     from specdec.engine import KV_MEMORY_SHARE
     from specdec.models import gpu_backend, resolve_model_path
 
+    from specdec.request import kv_positions
+
     c = spec.config
     draft = c.draft_for(spec.path)
-    total = kv = 0
+    total = kv = floor = 0
     for path in [spec.path] + ([draft] if draft not in (None, "self") else []):
         if str(path).lower().endswith(".gguf") and Path(path).expanduser().is_file():
             config = describe(replace(spec, path=path))
@@ -197,9 +199,13 @@ def estimate_bytes(spec: ModelSpec) -> int:
                 else size
         if isinstance(c.max_kv_tokens, int) and not isinstance(c.max_kv_tokens, bool):
             kv += kv_estimate(config, c.max_kv_tokens)
+        if path == spec.path:  # an "auto" budget holds one full-context request at least
+            ctx = int((config.get("text_config") or config).get("max_position_embeddings")
+                      or config.get("max_position_embeddings") or 2048)
+        floor += kv_estimate(config, kv_positions(ctx, 0))
     if c.max_kv_tokens == "auto":
-        kv = (c.kv_memory_mb << 20 if c.kv_memory_mb is not None else
-              int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_MEMORY_SHARE))
+        kv = max(floor, c.kv_memory_mb << 20 if c.kv_memory_mb is not None else
+                 int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KV_MEMORY_SHARE))
     return total + (c.grammar_cache_mb << 20) + kv + (c.prompt_store_mb << 20)
 
 
@@ -393,8 +399,9 @@ class Fleet:
             return seat.loading
         budget, most = self.memory_budget, self.max_loaded
         if budget is not None and seat.bytes > budget:
-            raise ModelLoadError(f"model {seat.name!r} needs {seat.bytes >> 20} MB (weights "
-                                 "and grammar cache), over the memory budget "
+            raise ModelLoadError(f"model {seat.name!r} needs {seat.bytes >> 20} MB (weights, "
+                                 "grammar cache, KV budget and prompt store), over the memory "
+                                 "budget "
                                  f"({budget >> 20} MB)")
         resident = [s for s in self.seats if s.engine is not None or s.loading is not None]
 

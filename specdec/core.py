@@ -292,7 +292,8 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
                 kv_store.store(models.draft, head, s.d_cache)
 
 
-def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache) -> None:
+def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache
+                ) -> tuple[tuple[str, tuple[TokenId, ...]], ...]:
     """Keep a finished request's KV state, prompt and answer (the positions its caches
     hold: `seq`'s first ones), in the prompt store, target and draft: a conversation's next
     turn sends them back (the answer as its template renders it in the history) and
@@ -300,8 +301,10 @@ def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache) -> None
     where the rendered history and the generated tokens part). Only caches of plain
     per-position keys and values (`ragged.exact_prefix`), which restore any prefix of it;
     the state of the prompt alone, stored at its prefill, is then dropped (a prefix of
-    this one)."""
-    for model, cache in ((models.target, s.t_cache), (models.draft, s.d_cache)):
+    this one). Returns what it stored: ("target" or "draft", key) each."""
+    kept = []
+    for role, model, cache in (("target", models.target, s.t_cache),
+                               ("draft", models.draft, s.d_cache)):
         if not cache or not ragged.exact_prefix(cache):
             continue
         n = min(int(cache[0].offset), len(s.seq))
@@ -312,20 +315,19 @@ def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache) -> None
                 c.trim(c.offset - n)
         kv_store.store(model, s.seq[:n], cache)
         kv_store.drop(model, s.prompt[:-1])
+        kept.append((role, tuple(s.seq[:n])))
+    return tuple(kept)
 
 
 def _restore_prefix(models: Models, s: DecodeState, head: list[TokenId],
                     kv_store: PromptKVCache) -> int:
     """Load the longest stored target state `head` starts with, and bring the draft's cache
     to the same position; returns that position (0: nothing stored, caches untouched)."""
-    # A history prefill's state, once stored under `head`, supersedes the one it came from.
-    supersede = head if s.max_tokens == 0 else None
     at = kv_store.restore_prefix(models.target, head, s.t_cache,
-                                 trims=ragged.exact_prefix(s.t_cache), supersede=supersede)
+                                 trims=ragged.exact_prefix(s.t_cache))
     if at and s.d_cache:
         d_at = kv_store.restore_prefix(models.draft, head[:at], s.d_cache,
-                                       trims=ragged.exact_prefix(s.d_cache),
-                                       supersede=supersede)
+                                       trims=ragged.exact_prefix(s.d_cache))
         s.stats.draft_cached = d_at
         if d_at < at:
             prefill_tokens(models.draft, head[d_at:at], s.d_cache)

@@ -83,8 +83,6 @@ class PromptKVCache:
                                    tuple[nn.Module, list, mx.array | None]]
         self._entries = OrderedDict()
         self.hits = 0
-        # key to be stored -> the key of the entry it supersedes (`restore_prefix`)
-        self._superseded: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
 
     def prefill(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> mx.array:
         """Like `prefill`, restoring a stored state when this model saw this prompt."""
@@ -108,8 +106,7 @@ class PromptKVCache:
         return entry is not None and entry[0] is model
 
     def restore_prefix(self, model: nn.Module, prompt: Sequence[TokenId], cache: list,
-                       trims: bool, least: int = PREFIX_MIN,
-                       supersede: Sequence[TokenId] | None = None) -> int:
+                       trims: bool, least: int = PREFIX_MIN) -> int:
         """Load the stored state of `model` that shares the longest prefix with `prompt` into
         `cache`, cut to that prefix; returns its length in positions (0: nothing loaded).
 
@@ -118,11 +115,7 @@ class PromptKVCache:
         message, another user message after the same system prompt) loads only where
         `trims` (every cache holds plain per-position keys and values: `ragged.exact_prefix`)
         and the shared part is at least `least` tokens. Positions are computed alike
-        whatever the chunking on the batch-invariant BLAS, so what follows is unchanged.
-        `supersede`: the key the caller will store this state under once it has computed
-        the rest (a conversation's history, after the answer it was restored from); the
-        entry loaded is dropped then (`store`), where `trims` (its other positions are
-        then of no use to what restores from the new one)."""
+        whatever the chunking on the batch-invariant BLAS, so what follows is unchanged."""
         p = tuple(prompt)
         best, key = 0, None
         for k, (m, _, _) in self._entries.items():
@@ -137,10 +130,6 @@ class PromptKVCache:
             return 0
         self._entries.move_to_end(key)
         self.hits += 1
-        if supersede is not None and trims and key[1] != tuple(supersede):
-            self._superseded[(id(model), tuple(supersede))] = key[1]
-            while len(self._superseded) > self.capacity:  # (states that never finished)
-                self._superseded.pop(next(iter(self._superseded)))
         states = self._entries[key][1]
         for c, state in zip(cache, states):
             if best == len(key[1]):  # the stored prompt whole (recurrent state too)
@@ -154,7 +143,6 @@ class PromptKVCache:
     def clear(self) -> None:
         """Forget every stored state."""
         self._entries.clear()
-        self._superseded.clear()
         self.nbytes = 0
 
     def drop(self, model: nn.Module, prompt: Sequence[TokenId]) -> None:
@@ -164,13 +152,8 @@ class PromptKVCache:
             self.nbytes -= _entry_bytes(old)
 
     def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> None:
-        """Keep a copy of `cache` (which holds exactly `prompt`) for later requests; drop the
-        entry it supersedes, if any (`restore_prefix`)."""
-        key = (id(model), tuple(prompt))
-        self._put(key, model, cache, None)
-        old = self._superseded.pop(key, None)
-        if old is not None:
-            self.drop(model, old)
+        """Keep a copy of `cache` (which holds exactly `prompt`) for later requests."""
+        self._put((id(model), tuple(prompt)), model, cache, None)
 
     def _put(self, key: tuple[int, tuple[int, ...]], model: nn.Module, cache: list,
              logits: mx.array | None) -> None:

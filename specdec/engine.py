@@ -300,21 +300,26 @@ class Engine:
                                 replica=for_replicas(req) if self._replicas else None))
         return stream
 
-    def keep_history(self, request: GenerateRequest, answer: Message) -> int:
-        """After `request` finished with `answer` (as its API gives it back): queue the
-        prefill of the history its conversation's next request starts with
-        (`Preparer.history_ids`) into the prompt store, target and draft, restored from the
-        answer's own kept state up to where they part (reasoning the template drops, calls
-        it re-serializes); that kept state is then superseded. Returns the positions of the
-        history queued (0: none: no scheduler thread, no history, or no room now)."""
+    def keep_history(self, request: GenerateRequest, answer: Message,
+                     prepared: Request | None = None) -> int:
+        """After `request` (prepared as `prepared`) finished with `answer` (as its API gives
+        it back): queue the prefill of the history its conversation's next request starts
+        with (`Preparer.history_ids`) into the prompt store, target and draft, restored from
+        the answer's own kept state up to where they part (reasoning the template drops,
+        calls it re-serializes); that kept state is then superseded. Returns the positions of
+        the history queued (0: none: no scheduler thread, no history, a prompt store that
+        could not hold it, or no room now)."""
         from .distributed import for_replicas
 
-        sched = self._scheduler
-        if sched is None or self.kv_store is None:
+        sched, store = self._scheduler, self.kv_store
+        if sched is None or store is None:
             return 0
+        kept = sched.kept_for(prepared) if prepared is not None else ()
         try:
-            req = self.preparer.history_request(request, answer)
-            if req is None:
+            req = self.preparer.history_request(request, answer, kept)
+            if req is None or store.capacity == 0 or (
+                    len(req.prompt_ids) * kv_position_bytes(self.target, self.draft)
+                    > store.max_bytes):
                 return 0
             sched.submit(Ticket(req, Output(self.decode_text, drop),
                                 timeout_s=self.request_timeout_s,

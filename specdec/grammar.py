@@ -400,8 +400,10 @@ class GrammarCompiler:
     def _let_go(self) -> None:
         """Free the grammars out of the cache that nothing else holds (a request's held one
         waits for a later call), unless a compile is measuring the heap (the caller holds
-        `_lock`)."""
-        if self._gone and not self._measuring:
+        `_lock`); past the cache's own size of them, even then (a measurement may then read
+        low; memory is not held back without bound)."""
+        over = sum(g.nbytes for g in self._gone) > self.cache_bytes
+        if self._gone and (not self._measuring or over):
             # (a grammar held only here: this list, the loop's name, getrefcount's argument)
             self._gone = [g for g in self._gone if sys.getrefcount(g) > 3]
 

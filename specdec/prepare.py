@@ -64,6 +64,8 @@ class Request:
         prefill_only: a history prefill (`Engine.keep_history`): the prompt but its last
             token is prefilled into the prompt store, target and draft, and the request ends
             there, generating nothing.
+        supersedes: a history prefill's: the stored states it replaces once its own is
+            stored (the finished answer's, `core.keep_answer`): ("target" or "draft", key).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -80,6 +82,8 @@ class Request:
     closing: Closing | None = field(default=None, repr=False, compare=False)
     unguaranteed: str | None = None
     prefill_only: bool = False
+    supersedes: tuple[tuple[str, tuple[TokenId, ...]], ...] = field(default=(), repr=False,
+                                                                    compare=False)
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -289,7 +293,9 @@ class Preparer:
             n += 1
         return a[:n]
 
-    def history_request(self, r: GenerateRequest, answer: Message) -> Request | None:
+    def history_request(self, r: GenerateRequest, answer: Message,
+                        supersedes: tuple[tuple[str, tuple[TokenId, ...]], ...] = ()
+                        ) -> Request | None:
         """A history prefill (`Request.prefill_only`) of `history_ids(r, answer)`, with the
         draft where requests speculate; None where there is no history to prefill or it
         does not fit the context or the KV bound. Its prompt is the history and a
@@ -304,7 +310,8 @@ class Preparer:
             return None
         spec = (dataclasses.replace(self.default_spec, lookup=False, suffix=False)
                 if self.speculates and self.default_spec is not None else None)
-        return Request((*ids, ids[-1]), max_tokens=1, spec=spec, prefill_only=True)
+        return Request((*ids, ids[-1]), max_tokens=1, spec=spec, prefill_only=True,
+                       supersedes=supersedes)
 
     def _render(self, r: GenerateRequest, tools: tuple[Tool, ...]
                 ) -> tuple[list[TokenId], Thinking | None, ToolFormat | None]:

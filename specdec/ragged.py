@@ -554,6 +554,25 @@ def exact_prefix(cache: list) -> bool:
                for c in cache)
 
 
+_LOCKS: dict[int, threading.Lock] = {}  # id(base model) -> the lock of its forwards
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.Lock:
+    """The lock a round over `model` holds (`scheduler.Scheduler.pump`): the model's slab is
+    shared by every engine over it (a server's and a library user's, or a test's), so one
+    thread at a time runs its forwards. Uncontended where one engine serves the model."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(id(_base(model)), threading.Lock())
+
+
+def model_locks(*models: nn.Module | None) -> list[threading.Lock]:
+    """The locks of a round over these models (`model_lock`): one per model underneath them
+    (a draft that wraps its target's shares its lock), in one order for every caller."""
+    bases = {id(_base(m)): m for m in models if m is not None}
+    return [model_lock(bases[k]) for k in sorted(bases)]
+
+
 def slab_of(model: nn.Module) -> Slab | None:
     """The model's slab, when one was made (for metrics and tests)."""
     model = _base(model)

@@ -13,6 +13,7 @@ is at its bound (the server answers 503 with Retry-After).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from .prepare import Request
 from .speculative import TREE_MIN_SCORE
 
 log = logging.getLogger("specdec.scheduler")
+KEPT_LIMIT = 1024  # finished requests' kept states remembered for their history prefill
 
 
 @dataclass(eq=False)
@@ -144,6 +146,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._waiting: deque[Ticket] = deque()
         self._active: list[Ticket] = []
+        # finished requests' kept states, by id(request), for their history prefill
+        self._kept: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {}
         self._cv = threading.Condition()
         self._stop = False
         self._keys = 0
@@ -165,6 +169,12 @@ class Scheduler:
     def active(self) -> int:
         """Requests decoding (history prefills not counted)."""
         return sum(not t.request.prefill_only for t in tuple(self._active))
+
+    def kept_for(self, request: Request) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """What a finished request left in the prompt store (`core.keep_answer`), taken
+        (once): ("target" or "draft", key) each; () where it left nothing or is unknown."""
+        with self._cv:
+            return self._kept.pop(id(request), ())
 
     @property
     def background(self) -> int:
@@ -266,17 +276,27 @@ class Scheduler:
         with self._cv:
             admitted = []
             used = sum(t.request.kv_positions for t in self._active)
-            while self._waiting and len(self._active) < self.max_batch:
-                need = self._waiting[0].request.kv_positions
+            # Requests in order; history prefills (background) after them, where they fit:
+            # one never holds a request back.
+            for t in sorted(self._waiting, key=lambda t: t.request.prefill_only):
+                if len(self._active) >= self.max_batch:
+                    break
+                need = t.request.kv_positions
                 if (self.max_kv_tokens is not None and self._active
                         and used + need > self.max_kv_tokens):
+                    if t.request.prefill_only:
+                        continue
                     break  # it waits (in order) until enough of the others have left
                 used += need
-                admitted.append(self._waiting.popleft())
-                self._active.append(admitted[-1])
+                self._waiting.remove(t)
+                admitted.append(t)
+                self._active.append(t)
         try:
-            self.round_started = time.perf_counter()
-            self._step(admitted)
+            with contextlib.ExitStack() as held:  # the models' forwards: one thread at a time
+                for lock in ragged.model_locks(self.models.target, self.models.draft):
+                    held.enter_context(lock)
+                self.round_started = time.perf_counter()
+                self._step(admitted)
             self.round_started = None
         except Exception as e:  # a fault outside any one request: fail them all
             self.round_started = None
@@ -406,7 +426,7 @@ class Scheduler:
             if t.state is not None:
                 decode_plainly(t.state, "plain decoding: the grammar's masks are slow")
         for t in late:
-            self.stats.timed_out += 1
+            self.stats.timed_out += not t.request.prefill_only
             self._finish(t, error=DeadlineExceeded(
                 f"the request ran past the server's time limit of {t.timeout_s:g}s"))
         for t in gone:
@@ -424,7 +444,9 @@ class Scheduler:
                     self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
                         f"the request could not start: {e}"))
         # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward.
-        arriving = [t for t in self._active if t.state is not None and t.state.to_prefill]
+        arriving = sorted((t for t in self._active if t.state is not None
+                           and t.state.to_prefill),
+                          key=lambda t: t.request.prefill_only)  # requests' prefill first
         if arriving:
             try:
                 prefill_arrivals(self.models, [t.state for t in arriving], self.chunk,
@@ -439,9 +461,17 @@ class Scheduler:
                         f"the prompt's prefill failed: {e}"))
         for t in [t for t in self._active if t.request.prefill_only and t.state is not None
                   and t.state.to_prefill == 0]:
-            t.state.finish = "stop"  # a history prefill: stored, nothing to generate
+            s = t.state
+            s.finish = "stop"  # a history prefill: stored, nothing to generate
+            computed = len(s.prompt) - 1 - s.stats.prompt_cached
             self.stats.history_prefills += 1
-            self.stats.history_computed += len(t.state.prompt) - 1 - t.state.stats.prompt_cached
+            self.stats.history_computed += computed
+            if computed and self.kv_store is not None:  # its state stored: the answer's goes
+                head = tuple(s.prompt[:-1])
+                for role, key in t.request.supersedes:
+                    model = self.models.target if role == "target" else self.models.draft
+                    if key != head and model is not None:
+                        self.kv_store.drop(model, key)
             self._finish(t)
         ready = [t for t in self._active if t.state is not None and t.state.ready
                  and t not in idle]
@@ -475,8 +505,13 @@ class Scheduler:
             if error is None and s.suffixes is not None:  # it proposes for later answers
                 store, key = s.suffixes
                 store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
-            if error is None and self.kv_store is not None:
-                keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
+            if error is None and self.kv_store is not None and not t.request.prefill_only:
+                kept = keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
+                if kept:
+                    with self._cv:  # (read by `kept_for` on other threads)
+                        self._kept[id(t.request)] = kept
+                        while len(self._kept) > KEPT_LIMIT:
+                            self._kept.pop(next(iter(self._kept)))
             t.state.release()
             if isinstance(error, GrammarTooComplex) and s.emitted <= 1 and \
                     t.request.grammar is not None:

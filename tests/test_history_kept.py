@@ -61,8 +61,8 @@ def _idle(e: Engine) -> None:
         time.sleep(0.002)
 
 
-def _run(e: Engine, greq: GenerateRequest) -> Finished:
-    for ev in e.submit(e.prepare(greq)):
+def _run(e: Engine, greq: GenerateRequest, req=None) -> Finished:
+    for ev in e.submit(req if req is not None else e.prepare(greq)):
         if isinstance(ev, Failed):
             raise ev.error
         if isinstance(ev, Finished):
@@ -94,8 +94,9 @@ def test_each_turn_restores_the_history_kept_and_decodes_as_cold(models, shape):
         for turn in range(4):
             calling = msgs[-1].role == "user"
             greq = _request(msgs, calling, thinking)
-            ids = list(warm.prepare(greq).prompt_ids)
-            got = _run(warm, greq)
+            req = warm.prepare(greq)
+            ids = list(req.prompt_ids)
+            got = _run(warm, greq, req)
             if history is not None:
                 # it restored all its prompt shares with the history kept, and computed the rest
                 expect = _shared(ids[:-1], history)
@@ -112,11 +113,18 @@ def test_each_turn_restores_the_history_kept_and_decodes_as_cold(models, shape):
             answer = Message("assistant", got.text, got.reasoning, got.tool_calls)
             assert (thinking is False) == (got.reasoning is None), got.reasoning
             before = warm.scheduler.stats.history_prefills
-            queued = warm.keep_history(greq, answer)
+            computed = warm.scheduler.stats.history_computed
+            kept_keys = warm.scheduler._kept.get(id(req), ())
+            assert kept_keys, "the answer's state was kept"
+            queued = warm.keep_history(greq, answer, req)
             _idle(warm)
             history = warm.preparer.history_ids(greq, answer)
             assert queued == len(history)
             assert warm.scheduler.stats.history_prefills == before + 1
+            assert warm.kv_store.has(m.model, history)
+            if warm.scheduler.stats.history_computed > computed:  # stored: the answer's went
+                assert not any(warm.kv_store.has(m.model, key) for _, key in kept_keys
+                               if list(key) != history)
             kept += 1
             msgs.append(answer)
             if got.tool_calls:
@@ -140,6 +148,36 @@ def test_each_turn_restores_the_history_kept_and_decodes_as_cold(models, shape):
     finally:
         warm.close()
         cold.close()
+
+
+def test_a_history_prefill_replaces_only_its_own_answers_state(models):
+    # Two conversations with the same first prompt and different answers, on a template that
+    # drops the reasoning from the history (so either kept state shares as much with the
+    # history as the other): the history prefill of the later one drops that one's kept
+    # state, not the earlier one's.
+    m = models["r1_distill"]
+    e = Engine(m, m, SpecConfig(k=3))
+    e.start()
+    try:
+        msgs = (Message("system", SYSTEM), Message("user", "Say something."))
+        runs = []
+        for seed in (1, 2):
+            greq = GenerateRequest(messages=msgs, max_tokens=24, thinking_budget=8,
+                                   sampling=SamplingParams(8.0, seed=seed), spec={"k": 3})
+            req = e.prepare(greq)
+            before = set(e.kv_store._entries)
+            got = _run(e, greq, req)
+            runs.append((greq, req, got, set(e.kv_store._entries) - before))
+        assert runs[0][2].tokens != runs[1][2].tokens
+        (_, _, _, other), (greq, req, got, own) = runs
+        assert other and own
+        e.keep_history(greq, Message("assistant", got.text, got.reasoning), req)
+        _idle(e)
+        assert e.scheduler.stats.history_computed > 0
+        assert other <= set(e.kv_store._entries)  # the other conversation's answer stays
+        assert not own & set(e.kv_store._entries)  # this one's is superseded
+    finally:
+        e.close()
 
 
 def test_the_server_queues_the_history_after_an_answer(models):
