@@ -37,6 +37,11 @@ log = logging.getLogger("specdec.scheduler")
 KEPT_LIMIT = 1024  # finished requests' kept states remembered for their history prefill
 
 
+def _background(t: "Ticket") -> bool:
+    """A history prefill's ticket (`Request.prefill_only`; a stand-in request: no)."""
+    return getattr(t.request, "prefill_only", False) is True
+
+
 @dataclass(eq=False)
 class Ticket:
     """A submitted request: what the scheduler needs to run it and report back.
@@ -162,13 +167,13 @@ class Scheduler:
     @property
     def queue_depth(self) -> int:
         """Requests waiting (history prefills, background work, not counted)."""
-        return sum(not t.request.prefill_only for t in tuple(self._waiting))  # (a snapshot:
+        return sum(not _background(t) for t in tuple(self._waiting))  # (a snapshot:
         # other threads read it while the loop changes the queue)
 
     @property
     def active(self) -> int:
         """Requests decoding (history prefills not counted)."""
-        return sum(not t.request.prefill_only for t in tuple(self._active))
+        return sum(not _background(t) for t in tuple(self._active))
 
     def kept_for(self, request: Request) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """What a finished request left in the prompt store (`core.keep_answer`), taken
@@ -179,7 +184,7 @@ class Scheduler:
     @property
     def background(self) -> int:
         """History prefills waiting or running (`Engine.keep_history`)."""
-        return sum(t.request.prefill_only for t in (*tuple(self._waiting), *tuple(self._active)))
+        return sum(_background(t) for t in (*tuple(self._waiting), *tuple(self._active)))
 
     def check_room(self) -> None:
         """Raise what `submit` would raise now for want of room (QueueFull, or
@@ -210,7 +215,7 @@ class Scheduler:
         history prefill: when `max_batch` of them are in hand already)."""
         with self._cv:
             self._check_room()
-            if ticket.request.prefill_only and self.background >= self.max_batch:
+            if _background(ticket) and self.background >= self.max_batch:
                 raise QueueFull(f"{self.background} history prefills are in hand")
             ticket.t0 = time.perf_counter()
             self._keys += 1
@@ -278,13 +283,13 @@ class Scheduler:
             used = sum(t.request.kv_positions for t in self._active)
             # Requests in order; history prefills (background) after them, where they fit:
             # one never holds a request back.
-            for t in sorted(self._waiting, key=lambda t: t.request.prefill_only):
+            for t in sorted(self._waiting, key=lambda t: _background(t)):
                 if len(self._active) >= self.max_batch:
                     break
                 need = t.request.kv_positions
                 if (self.max_kv_tokens is not None and self._active
                         and used + need > self.max_kv_tokens):
-                    if t.request.prefill_only:
+                    if _background(t):
                         continue
                     break  # it waits (in order) until enough of the others have left
                 used += need
@@ -426,7 +431,7 @@ class Scheduler:
             if t.state is not None:
                 decode_plainly(t.state, "plain decoding: the grammar's masks are slow")
         for t in late:
-            self.stats.timed_out += not t.request.prefill_only
+            self.stats.timed_out += not _background(t)
             self._finish(t, error=DeadlineExceeded(
                 f"the request ran past the server's time limit of {t.timeout_s:g}s"))
         for t in gone:
@@ -446,7 +451,7 @@ class Scheduler:
         # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward.
         arriving = sorted((t for t in self._active if t.state is not None
                            and t.state.to_prefill),
-                          key=lambda t: t.request.prefill_only)  # requests' prefill first
+                          key=lambda t: _background(t))  # requests' prefill first
         if arriving:
             try:
                 prefill_arrivals(self.models, [t.state for t in arriving], self.chunk,
@@ -459,7 +464,7 @@ class Scheduler:
                 for t in arriving:
                     self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
                         f"the prompt's prefill failed: {e}"))
-        for t in [t for t in self._active if t.request.prefill_only and t.state is not None
+        for t in [t for t in self._active if _background(t) and t.state is not None
                   and t.state.to_prefill == 0]:
             s = t.state
             s.finish = "stop"  # a history prefill: stored, nothing to generate
@@ -505,7 +510,7 @@ class Scheduler:
             if error is None and s.suffixes is not None:  # it proposes for later answers
                 store, key = s.suffixes
                 store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
-            if error is None and self.kv_store is not None and not t.request.prefill_only:
+            if error is None and self.kv_store is not None and not _background(t):
                 kept = keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
                 if kept:
                     with self._cv:  # (read by `kept_for` on other threads)
