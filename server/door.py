@@ -535,10 +535,11 @@ class Run:
         """Queue the prefill of the history this conversation's next request starts with
         (`Engine.keep_history`), in the background where a preparing worker is idle: the
         answer as every API gives it back (its text, reasoning and calls)."""
-        if self.greq is None or not self.greq.messages:
+        keep = getattr(self.engine, "keep_history", None)  # (a stand-in engine: none)
+        if keep is None or self.greq is None or not self.greq.messages:
             return
         answer = Message("assistant", ev.text, ev.reasoning, ev.tool_calls)
-        self.door.prepares.spare(self.engine.keep_history, self.greq, answer, self.request)
+        self.door.prepares.spare(keep, self.greq, answer, self.request)
 
     async def events(self) -> AsyncIterator[Event]:
         """The request's events. A client that goes away is noticed within ~0.5 s, while
