@@ -18,6 +18,7 @@ the prefill after an answer, and /metrics counts it.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import mlx.core as mx
@@ -41,12 +42,7 @@ CHUNK = 16  # the cold side's prefill chunk
 
 
 def _shared(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 @pytest.fixture(scope="module")
