@@ -42,7 +42,8 @@ class ThinkingRule:
 class OracleStep:
     """One decided position: the pick, the runner-up, and their score margin; with logprobs
     asked for, the pick's logprob, the top n (id, logprob) (value descending, then id), and
-    the further tokens within `NEAR_TIE` of the n-th (`top_logprobs`)."""
+    the further tokens within `NEAR_TIE` of the n-th (`top_logprobs`); whether the budget's
+    closing rule put the token in place of the decision rule's pick (`steered`)."""
 
     token: int
     runner_up: int
@@ -51,6 +52,7 @@ class OracleStep:
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
     near_cut: tuple[tuple[int, float], ...] = ()
+    steered: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         noise = None if temperature == 0.0 else gumbel(seed, i, vocab_size)
         scores = decision_scores(x, temperature=temperature, top_k=top_k, top_p=top_p,
                                  noise=noise)
-        tok = int(np.argmax(scores))
+        tok = picked = int(np.argmax(scores))
         if budget is not None and matcher is not None:
             tok = budget.choose(matcher, i, tok, scores, forced_before, forced)
         order = np.argsort(-scores, kind="stable")[:2]
@@ -158,7 +160,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
             top, near = top_logprobs(lp, logprobs, NEAR_TIE)
             lp_fields = dict(logprob=float(lp[tok]), top=top, near_cut=near)
         steps.append(OracleStep(tok, runner, float(scores[tok] - scores[runner]),
-                                int(np.isfinite(x).sum()), **lp_fields))
+                                int(np.isfinite(x).sum()), **lp_fields,  # type: ignore
+                                steered=tok != picked))
         if matcher is not None:
             was_stopped = matcher.is_stopped()
             if not matcher.consume_token(tok):

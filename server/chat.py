@@ -35,7 +35,7 @@ from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, Sa
 from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
                         COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
                         CompletionRequest, TextPart, ToolResult, SamplingFields)
-from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
+from .door import Door, Fold, Run, SSEEvent, extension, sampling, token_sources, tool
 from .errors import bad_request, openai_body, openai_response
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
@@ -255,16 +255,16 @@ class Chunks(Fold):
 
     def feed(self, ev: Event) -> list[SSEEvent]:
         if isinstance(ev, ReasoningDelta):
-            return [self._chunk({"reasoning_content": ev.text}, lps=ev.logprobs)]
+            return [self._chunk({"reasoning_content": ev.text}, ev=ev)]
         if isinstance(ev, TextDelta):
-            return [self._chunk({"content": ev.text}, lps=ev.logprobs)]
+            return [self._chunk({"content": ev.text}, ev=ev)]
         if isinstance(ev, ToolCallDelta):  # id, type and name with a call's first delta
             call: dict[str, Any] = {"index": ev.index, "function": {"arguments": ev.arguments}}
             if ev.index not in self.started:
                 self.started.add(ev.index)
                 call.update(id=ev.id, type="function")
                 call["function"] = {"name": ev.name, "arguments": ev.arguments}
-            return [self._chunk({"content": None, "tool_calls": [call]}, lps=ev.logprobs)]
+            return [self._chunk({"content": None, "tool_calls": [call]}, ev=ev)]
         if isinstance(ev, Failed):
             return [(None, openai_body(ev.error, self.params)), DONE]
         self.done = ev
@@ -281,6 +281,9 @@ class Chunks(Fold):
                                   "logprobs": None}
         if self.run.request.logprobs is not None:
             choice["logprobs"] = logprobs_of(self.run, ev.logprobs, self.chat)
+        srcs = token_sources(self.run, ev.tokens, ev.sources, ev.logprobs)
+        if srcs is not None:
+            choice["token_sources"] = srcs
         if self.chat:
             msg: dict[str, Any] = {"role": "assistant",
                                    "content": (ev.text or None) if ev.tool_calls else ev.text}
@@ -304,11 +307,17 @@ class Chunks(Fold):
                 "model": self.run.model}
 
     def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None,
-               lps: Sequence[TokenLogprob] = ()) -> SSEEvent:
+               ev: TextDelta | ReasoningDelta | ToolCallDelta | None = None) -> SSEEvent:
+        """A chunk of the stream: a delta, with the logprobs and the token sources of the
+        tokens behind it (`ev`'s) where asked for; or the finish reason."""
+        lps = ev.logprobs if ev is not None else ()
         want = self.run.request.logprobs is not None and lps
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
                                   "logprobs": logprobs_of(self.run, lps, self.chat) if want
                                   else None}
+        srcs = token_sources(self.run, ev.tokens, ev.sources, lps) if ev is not None else None
+        if srcs is not None:
+            choice["token_sources"] = srcs
         if self.chat:
             choice["delta"] = delta or {}
         else:
@@ -331,6 +340,7 @@ def logprobs_of(run: Run, lps: Sequence[TokenLogprob], chat: bool) -> dict[str, 
     """OpenAI's `logprobs` object: chat's `content` list (token text, logprob, UTF-8 bytes,
     top_logprobs), or completions' parallel lists."""
     tokenizer = run.engine.target.tokenizer
+    n = run.request.logprobs or 0  # (token sources may have asked for more alternatives)
 
     def text(t: int) -> str:
         return str(tokenizer.decode([t], skip_special_tokens=False))
@@ -339,12 +349,12 @@ def logprobs_of(run: Run, lps: Sequence[TokenLogprob], chat: bool) -> dict[str, 
         return {"content": [
             {"token": text(e.token), "logprob": e.logprob, "bytes": list(text(e.token).encode()),
              "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
-                              for a, b in e.top]} for e in lps]}
+                              for a, b in e.top[:n]]} for e in lps]}
     tokens = [text(e.token) for e in lps]
     offsets, at = [], 0
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in lps],
-            "top_logprobs": [{text(a): b for a, b in e.top} for e in lps],
+            "top_logprobs": [{text(a): b for a, b in e.top[:n]} for e in lps],
             "text_offset": offsets}

@@ -28,7 +28,7 @@ import re
 import reprlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
@@ -43,8 +43,10 @@ from specdec.config import LIMITS
 from specdec.engine import Engine
 from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, SamplingError,
                             SpecdecError)
-from specdec.events import Event, Failed, Finished, GenerationStats, RequestStream
+from specdec.events import (Event, Failed, Finished, GenerationStats, RequestStream, TokenLogprob,
+                            TokenSource)
 from specdec.prepare import Request
+from specdec.types import TokenId
 from specdec.prompt_bound import PromptBound
 from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, Message,
                              SamplingParams, SpecOverrides, Tool)
@@ -102,15 +104,24 @@ class Extensions(BaseModel):
     close_at_budget: bool | None = Field(
         None, description="true (the default): a constrained answer closes its document in "
                           "time for the token budget; false: it is cut where the budget ends")
+    token_sources: bool | Int | None = Field(
+        None, description="each output token's source (forced, looked_up, suffixed, drafted, "
+                          "branch, target, budget), how many tokens its grammar allowed, its "
+                          "logprob and this many top alternatives (true: none; 0..20), "
+                          "in `token_sources` beside the tokens' text (off by default)")
 
     def engine_fields(self) -> dict[str, Any]:
         """These fields as the request's: `spec` ("default" where none is given, None for
-        plain decoding (k = 0), else the overrides given) and `close_at_budget`."""
+        plain decoding (k = 0), else the overrides given), `close_at_budget` and
+        `token_sources` (true: 0 alternatives; false: off)."""
         k = self.num_draft_tokens
         given = {name: v for name, v in (("k", k), ("draft_masking", self.draft_masking),
                                           ("lookup", self.prompt_lookup)) if v is not None}
         spec: SpecOverrides = None if k == 0 else given or "default"
-        return {"spec": spec, "close_at_budget": self.close_at_budget is not False}
+        ts = self.token_sources
+        return {"spec": spec, "close_at_budget": self.close_at_budget is not False,
+                "token_sources": None if ts is None or ts is False else
+                0 if ts is True else ts}
 
 
 def sampling(temperature: float | None, top_p: float | None, top_k: int | None,
@@ -183,13 +194,14 @@ class ServeConfig:
 
     Attributes:
         host, port: where to listen. api_key: required of clients when set (Bearer or
-            `x-api-key`). max_batch, max_queue, request_timeout_s: the scheduler's
+            `x-api-key`). ui: the playground page at `/` (`server/static`). max_batch, max_queue, request_timeout_s: the scheduler's
             (`Engine.start`). max_body_bytes, max_json_depth: a body's limits.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    ui: bool = True
     max_batch: int = LIMITS.max_batch
     max_queue: int = LIMITS.max_queue
     request_timeout_s: float | None = LIMITS.request_timeout_s
@@ -438,7 +450,9 @@ class Door:
         engine = await self.fleet.acquire(seat, self.config.request_timeout_s)
         try:
             self.admit(seat)
+            t0 = time.perf_counter()
             req = await self.prepare(greq, seat)
+            prepare_s = time.perf_counter() - t0
             self.metrics.add(requests_total=1,
                              requests_constrained_total=int(req.constraint is not None))
             try:
@@ -451,7 +465,7 @@ class Door:
         except BaseException:
             self.fleet.release(seat)
             raise
-        return Run(self, req, stream, http, seat, engine, greq)
+        return Run(self, req, stream, http, seat, engine, greq, prepare_s=prepare_s)
 
     async def serve(self, http: HTTPRequest, body_type: type[B],
                     request: Callable[[B], GenerateRequest], fold: Callable[[B, Run], Fold],
@@ -518,6 +532,7 @@ class Run:
     created: int = field(default_factory=lambda: int(time.time()))
     left: bool = False  # the client went away before the end
     closed: bool = False
+    prepare_s: float = 0.0  # rendering its prompt and compiling (or finding) its grammar
 
     @property
     def model(self) -> str:
@@ -679,16 +694,21 @@ def sse(event: str | None, data: Any) -> str:
 
 
 def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> dict[str, Any]:
-    """The `specdec` object of a response (every API): seed, speculative stats, what the
+    """The `specdec` object of a response (every API): seed, speculative stats, the token
+    budget's minimum (a constrained answer's, where the budget rule is on), what the
     constraint did not enforce."""
     c = stats.counters
+    closing = getattr(run.request, "closing", None)
     return {"seed": run.request.sampling.seed, "k": stats.k, "steps": c.steps,
             "rounds": c.rounds, "proposed": c.proposed, "accepted": c.accepted,
             "acceptance_rate": round(c.acceptance_rate, 4),
             **c.source_counts(),  # by source and on branches: `forced`, `forced_accepted`, ...
             "grammar_cuts": c.grammar_cuts, "budget_steered": c.budget_steered,
             "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
+            "prepare_s": round(getattr(run, "prepare_s", 0.0), 6),
+            "decode_s": round(stats.decode_s, 6), "tokens_per_s": round(stats.tokens_per_s, 3),
             "seconds": round(stats.seconds, 6), "warnings": list(warnings),
+            **({"budget_minimum": closing.minimum} if closing is not None else {}),
             **({UNGUARANTEED: run.request.unguaranteed} if run.request.unguaranteed else {}),
             **({"spec_off": c.spec_off} if getattr(c, "spec_off", "") else {})}
 
@@ -717,3 +737,28 @@ def warning_header(warnings: tuple[str, ...], limit: int = 2000) -> dict[str, st
     if not warnings:
         return {}
     return {"Warning": f'199 specdec "{header_text("; ".join(warnings), limit)}"'}
+
+
+def token_sources(run: Run, tokens: Sequence[TokenId], sources: Sequence[TokenSource],
+                  logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
+    """The `token_sources` extension (every API) of some output tokens, where the request
+    asked for it (else None): each token's id, text, source, allowed-set size, logprob and
+    top alternatives (`events.TokenSource`, `events.TokenLogprob`)."""
+    n = getattr(run.request, "token_sources", None)
+    if n is None:
+        return None
+    tokenizer = run.engine.target.tokenizer
+
+    def text(t: int) -> str:
+        return str(tokenizer.decode([t], skip_special_tokens=False))
+
+    out = []
+    for i, t in enumerate(tokens):
+        src = sources[i] if i < len(sources) else None
+        lp = logprobs[i] if i < len(logprobs) else None
+        out.append({"id": t, "text": text(t), "source": src.source if src else None,
+                    "allowed": src.allowed if src else None,
+                    "logprob": lp.logprob if lp else None,
+                    "top": [{"id": a, "text": text(a), "logprob": b}
+                            for a, b in lp.top[:n]] if lp else []})
+    return out

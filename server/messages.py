@@ -38,7 +38,7 @@ from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
 from specdec.request import Constraint, GenerateRequest, Message, NamedTool, ToolCall, ToolChoice
 
-from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
+from .door import Door, Fold, Run, SSEEvent, extension, sampling, token_sources, tool
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
@@ -239,9 +239,15 @@ class Blocks(Fold):
                                                "index": len(self.content) - 1,
                                                "content_block": dict(block)})]
 
-    def _delta(self, delta: dict[str, Any]) -> SSEEvent:
+    def _delta(self, delta: dict[str, Any], ev: Event | None = None) -> SSEEvent:
+        """A content_block_delta event, with the `token_sources` of the tokens behind it
+        (`ev`'s) where asked for."""
+        srcs = (token_sources(self.run, ev.tokens, ev.sources, ev.logprobs)  # type: ignore
+                if ev is not None else None)
         return ("content_block_delta", {"type": "content_block_delta",
-                                        "index": len(self.content) - 1, "delta": delta})
+                                        "index": len(self.content) - 1, "delta": delta,
+                                        **({"token_sources": srcs} if srcs is not None
+                                           else {})})
 
     def feed(self, ev: Event) -> list[SSEEvent]:
         """The SSE events one engine event makes (`Finished` closes the open block, then
@@ -250,18 +256,18 @@ class Blocks(Fold):
             out = self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             if ev.text and not self.omit_thinking:
                 self.content[-1]["thinking"] += ev.text
-                out.append(self._delta({"type": "thinking_delta", "thinking": ev.text}))
+                out.append(self._delta({"type": "thinking_delta", "thinking": ev.text}, ev))
             return out
         if isinstance(ev, TextDelta):
             out = self._open("text", {"type": "text", "text": ""})
             self.content[-1]["text"] += ev.text
-            return out + [self._delta({"type": "text_delta", "text": ev.text})]
+            return out + [self._delta({"type": "text_delta", "text": ev.text}, ev)]
         if isinstance(ev, ToolCallDelta):
             out = self._open(("tool_use", ev.index), {"type": "tool_use", "id": tool_id(ev.id),
                                                       "name": ev.name, "input": {}})
             self.args.append(ev.arguments)
             return out + [self._delta({"type": "input_json_delta",
-                                       "partial_json": ev.arguments})]
+                                       "partial_json": ev.arguments}, ev)]
         if isinstance(ev, Failed):
             return [("error", anthropic_body(ev.error, PARAMS))]
         self.done = ev
@@ -336,6 +342,9 @@ def message(msg_id: str, run: Run, content: list[dict[str, Any]],
                                            "cache_read_input_tokens": 0, "output_tokens": 0}}
     if done is not None:
         body["specdec"] = extension(run, done.stats, done.warnings)
+        srcs = token_sources(run, done.tokens, done.sources, done.logprobs)
+        if srcs is not None:
+            body["specdec"]["token_sources"] = srcs
     return body
 
 

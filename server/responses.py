@@ -50,7 +50,7 @@ from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, T
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
                              ToolChoice)
 
-from .door import Door, Fold, Run, SSEEvent, extension, sampling, tool
+from .door import Door, Fold, Run, SSEEvent, extension, sampling, token_sources, tool
 from .errors import WireError, bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES, error_responses, sse as sse_body
 from .responses_wire import (ConversationRef, FunctionChoice, InputItem, NEEDS, UNMODELED,
@@ -316,12 +316,17 @@ class Writer(Fold):
 
     def feed(self, ev: Event) -> list[SSEEvent]:
         if isinstance(ev, ReasoningDelta):
-            return self._text("reasoning", ev.text)
+            return self._text("reasoning", ev.text, self._sources(ev))
         if isinstance(ev, TextDelta):
-            return self._text("message", ev.text)
+            return self._text("message", ev.text, self._sources(ev))
         if isinstance(ev, ToolCallDelta):
             return self._call(ev)
         return self._finish(ev) if isinstance(ev, Finished) else self._fail(ev)
+
+    def _sources(self, ev: Event) -> dict[str, Any]:
+        """A delta event's `token_sources` (the tokens behind it), where asked for."""
+        srcs = token_sources(self.run, ev.tokens, ev.sources, ev.logprobs)  # type: ignore
+        return {} if srcs is None else {"token_sources": srcs}
 
     def _add(self, item: dict[str, Any]) -> list[SSEEvent]:
         self.items.append(item)
@@ -329,7 +334,8 @@ class Writer(Fold):
         return [self.event("response.output_item.added", output_index=len(self.items) - 1,
                            item=item)]
 
-    def _text(self, kind: str, text: str) -> list[SSEEvent]:
+    def _text(self, kind: str, text: str, extra: dict[str, Any] | None = None
+              ) -> list[SSEEvent]:
         prefix, item, part, name = KINDS[kind]
         out, at = [], len(self.items) - 1
         if self.open is None or self.open["type"] != kind:
@@ -341,7 +347,8 @@ class Writer(Fold):
             self.items[at]["content"].append(copy.deepcopy(part))
         self.items[at]["content"][0]["text"] += text
         return out + [self.event(f"{name}.delta", item_id=self.items[at]["id"], output_index=at,
-                                 content_index=0, delta=text, **_lp(kind))] if text else out
+                                 content_index=0, delta=text, **_lp(kind), **(extra or {}))
+                     ] if text else out
 
     def _call(self, ev: ToolCallDelta) -> list[SSEEvent]:
         out = []
@@ -352,7 +359,8 @@ class Writer(Fold):
             self.call = ev.index
         self.items[-1]["arguments"] += ev.arguments
         return out + [self.event("response.function_call_arguments.delta", delta=ev.arguments,
-                                 item_id=self.items[-1]["id"], output_index=len(self.items) - 1)]
+                                 item_id=self.items[-1]["id"], output_index=len(self.items) - 1,
+                                 **self._sources(ev))]
 
     def _close(self, status: str) -> list[SSEEvent]:
         item, at = self.open, len(self.items) - 1
@@ -379,7 +387,11 @@ class Writer(Fold):
         made = {c.id for c in ev.tool_calls}  # a call cut by max_tokens is not reported
         self.items[:] = [i for i in self.items
                          if i["type"] != "function_call" or i["call_id"] in made]
-        done = {"output": self.items, "specdec": extension(self.run, ev.stats, ev.warnings),
+        ext = extension(self.run, ev.stats, ev.warnings)
+        srcs = token_sources(self.run, ev.tokens, ev.sources, ev.logprobs)
+        if srcs is not None:
+            ext["token_sources"] = srcs
+        done = {"output": self.items, "specdec": ext,
                 "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
                           "total_tokens": u.total_tokens,
                           "input_tokens_details": {"cached_tokens": u.cached_tokens,

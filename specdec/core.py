@@ -45,7 +45,7 @@ from .sampling import (SamplingParams, apply_mask, bias_vector, pick, pick_score
 from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, InternalError,
                      Overspent, SpecdecError)
 from .config import MaskBudget
-from .events import TokenLogprob
+from .events import TokenLogprob, TokenSource
 from .prepare import Request
 from .request_grammar import RequestGrammar
 from .types import DecodeFinish, GrammarState, TokenId
@@ -119,6 +119,8 @@ class DecodeState:
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
+    sources: bool = False  # each token's source and allowed-set size (`events.TokenSource`)
+    new_sources: list[TokenSource] = field(default_factory=list)  # one per new token
     finish: DecodeFinish | None = None
     error: SpecdecError | None = None
 
@@ -180,7 +182,10 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     if spec is not None:
         _fit_speculation(models, s, horizon)
     s.bias = bias_vector(params, models.vocab_size)
-    s.logprobs = req.logprobs
+    # (token sources carry their tokens' logprobs and top alternatives too)
+    sources = getattr(req, "token_sources", None)
+    s.logprobs = req.logprobs if sources is None else max(req.logprobs or 0, sources)
+    s.sources = sources is not None
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if req.prefill_only:
         s.max_tokens = 0  # a history prefill: it generates nothing (`prefill_arrivals`)
@@ -404,6 +409,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
     for s in states:
         s.new_tokens = []  # what this round emits (nothing for a finished request)
         s.new_logprobs = []
+        s.new_sources = []
     live = [s for s in states if s.ready]
     # 0. Each request's mask at its current state, filled between rounds (`MaskBudget`).
     rows: dict[int, np.ndarray] = {}
@@ -469,6 +475,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
     # 3. Pick: every request's rows under its own mask, parameters and noise; one sync.
     picks: list[mx.array | None] = []
     lps: dict[int, tuple[mx.array, ...]] = {}
+    allowed: dict[int, list[int]] = {}  # each verify row's allowed-set size, where asked
     rows_of: dict[int, RowScores] = {}
     for i, s in enumerate(live):
         if s.error is not None:
@@ -479,6 +486,8 @@ def run_round(models: Models, states: Sequence[DecodeState],
             x = x + s.bias
         if masks[i] is not None:
             x = apply_mask(x, unpack_bitmask(mx.array(masks[i]), models.vocab_size))
+            if s.sources:
+                allowed[i] = allowed_counts(masks[i], models.vocab_size)
         noise = None
         if not s.params.greedy:  # each row's noise is its output position's
             depths = (range(len(props[i]) + 1) if row_trees[i] is None
@@ -505,7 +514,8 @@ def run_round(models: Models, states: Sequence[DecodeState],
         if s.error is None:
             try:
                 _accept(s, proposed[i], Verdict(picks[i].tolist(), widths[i], oks[i],
-                                                lps.get(i), rows_of.get(i)), models.masks)
+                                                lps.get(i), rows_of.get(i), allowed.get(i)),
+                        models.masks)
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -679,6 +689,8 @@ class Verdict:
         ok: of a tree, which proposals may be accepted (`tree_masks`); None: all.
         lps: the rows' logprobs (`_logprobs`), where the request asked for them.
         scores: the rows' scores, where the budget rule may change a pick this round.
+        allowed: each row's allowed-set size under its grammar mask, where the request asks
+            for its tokens' sources (None: not asked, or unconstrained).
     """
 
     picks: list[int]
@@ -686,6 +698,7 @@ class Verdict:
     ok: list[bool] | None = None
     lps: tuple[mx.array, ...] | None = None
     scores: RowScores | None = None
+    allowed: list[int] | None = None
 
 
 def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBudget()
@@ -734,11 +747,18 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBu
     accepted = len(path)  # the last one emitted is the target's own (bonus) pick
     s.stats.accepted += accepted
     n_chain = len(props) if p.parents is None else p.chain
+    sources = None
+    if s.sources:  # (`events.SOURCES`)
+        picked = ["branch" if j >= n_chain else p.sources[j].value for j in path]
+        picked.append("budget" if steered else "target")
+        allowed = [None if v.allowed is None else v.allowed[r] for r in rows]
+        sources = [TokenSource("forced" if a == 1 and src != "budget" else src, a)
+                   for src, a in zip(picked, allowed)]
     on_chain = next((k for k, j in enumerate(path) if j != k or j >= n_chain), accepted)
     for j in path:
         s.stats.accept(p.sources[j], branch=j >= n_chain)
     base = len(s.seq)
-    _emit(s, out, rows, v.lps, steered)
+    _emit(s, out, rows, v.lps, steered, sources)
     # Target cache holds old seq[:-1] + [last] + props; keep up to the new seq[:-1] (also
     # where the request just ended: its caches may be kept for a next turn, `keep_answer`).
     if p.parents is not None:  # (nothing moves when the branch is where a sequence would be)
@@ -774,12 +794,13 @@ def _steer(s: DecodeState, out: list[TokenId], rows: list[int], scores: RowScore
 
 
 def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
-          lps: tuple[mx.array, ...] | None, steered: dict[int, float] | None = None
-          ) -> int | None:
+          lps: tuple[mx.array, ...] | None, steered: dict[int, float] | None = None,
+          sources: list[TokenSource] | None = None) -> int | None:
     """Emit `out` (each picked at verify row `rows[n]`), consumed by the matcher, until the
     request ends; returns how many were emitted, None when it ended (finished or failed).
     `steered`: the logprobs of tokens the budget rule put in place of the pick (by index).
-    A request the budget steered ends "length" (the budget forced its close)."""
+    A request the budget steered ends "length" (the budget forced its close). `sources`:
+    each token's source, where the request asks for them."""
     n_emit = 0
     for t in out:
         if s.grammar is not None:
@@ -803,6 +824,8 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
             lp = (steered or {}).get(n_emit)
             s.new_logprobs.append(TokenLogprob(t, float(lps[0][j].item()) if lp is None
                                                else lp, top))
+        if sources is not None:
+            s.new_sources.append(sources[n_emit])
         n_emit += 1
         s.emitted += 1
         if s.grammar is not None and s.grammar.stopped():
@@ -812,6 +835,14 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
             s.finish = "length"
             return None
     return n_emit
+
+
+def allowed_counts(bitmask: np.ndarray, vocab_size: int) -> list[int]:
+    """Each row's allowed-set size: the set bits of a packed (rows, words) int32 mask among
+    the first `vocab_size` ids."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=-1,
+                         bitorder="little")
+    return bits[:, :vocab_size].sum(axis=-1).tolist()
 
 
 def _stopped(s: DecodeState) -> DecodeFinish:

@@ -34,13 +34,35 @@ class TokenLogprob:
     top: tuple[tuple[TokenId, float], ...] = ()
 
 
+# Where an emitted token came from (`TokenSource.source`): "forced": its grammar allowed
+# only this token there (whoever proposed it), or the grammar's forced text proposed it; else
+# the source of the proposal the target accepted on its chain (`types.ProposalSource`'s
+# values: "looked_up" prompt lookup, "suffixed" earlier answers, "drafted" the draft model);
+# "branch": a token tree's branch the target accepted; "target": the target's own pick (a
+# round's last token, every token of plain decoding); "budget": the token budget's closing
+# rule put it in place of the target's pick.
+SOURCES = ("forced", "looked_up", "suffixed", "drafted", "branch", "target", "budget")
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    """Where an emitted token came from (one of `SOURCES`) and how many tokens its grammar
+    allowed at its position (None: unconstrained there), for requests that ask for them
+    (`GenerateRequest.token_sources`)."""
+
+    source: str
+    allowed: int | None = None
+
+
 @dataclass(frozen=True)
 class TextDelta:
-    """Answer text, with the output tokens behind it (and their logprobs when asked for)."""
+    """Answer text, with the output tokens behind it (and their logprobs and sources when
+    asked for)."""
 
     text: str
     tokens: tuple[TokenId, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    sources: tuple[TokenSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,7 @@ class ReasoningDelta:
     text: str
     tokens: tuple[TokenId, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    sources: tuple[TokenSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,7 @@ class ToolCallDelta:
     arguments: str
     tokens: tuple[TokenId, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    sources: tuple[TokenSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,7 +139,8 @@ class Finished:
         reasoning: the think block (None: not a thinking request).
         tool_calls: the calls made.
         tokens: the output tokens behind the text (EOS excluded; a stop string's cut drops
-            the tokens that lie wholly inside or after it); logprobs: theirs, when asked.
+            the tokens that lie wholly inside or after it); logprobs, sources: theirs, when
+            asked.
         usage, stats, warnings: token counts, costs, what the constraint did not enforce.
         stop_sequence: the stop string that ended the output (None: EOS, the grammar, or
             max_tokens).
@@ -131,6 +156,7 @@ class Finished:
     stats: GenerationStats
     warnings: tuple[str, ...] = ()
     stop_sequence: str | None = None
+    sources: tuple[TokenSource, ...] = ()
 
 
 @dataclass(frozen=True)

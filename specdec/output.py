@@ -13,7 +13,8 @@ from typing import Any
 
 from .errors import SpecdecError
 from .events import (Event, Failed, FinishReason, Finished, GenerationStats, ReasoningDelta,
-                     TextDelta, TokenId, TokenLogprob, ToolCall, ToolCallDelta, Usage)
+                     TextDelta, TokenId, TokenLogprob, TokenSource, ToolCall, ToolCallDelta,
+                     Usage)
 from .reasoning import ReasoningDeltas, Thinking, reasoning_bounds, split_reasoning
 from .speculative import SpecStats
 from .tools import ID, CallParser
@@ -149,6 +150,7 @@ class Output:
         self._reasoning_tokens = reasoning_tokens
         self.prompt_tokens, self.seed, self.k, self.warnings = prompt_tokens, seed, k, warnings
         self.logprobs: list[TokenLogprob | None] = []
+        self.sources: list[TokenSource | None] = []
         self._attached = 0  # tokens already carried by an event
         self._ready = 0  # tokens whose text has been released (carried by the next event)
         self._answer = ""  # the answer so far (read by `calls`)
@@ -181,8 +183,8 @@ class Output:
                 c = self._parsed[last]
                 events.append((ToolCallDelta, (c.index, c.id, c.name, "")))
         for i, (kind, fields) in enumerate(events):
-            toks, lps = self._take() if i == 0 else ((), ())
-            self.sink(kind(*fields, toks, lps))
+            toks, lps, srcs = self._take() if i == 0 else ((), (), ())
+            self.sink(kind(*fields, toks, lps, srcs))
 
     def _call_events(self, final: bool) -> list[tuple[Any, tuple[Any, ...]]]:
         """What became certain of the answer's text and calls since the last time."""
@@ -204,15 +206,21 @@ class Output:
                 self._args_sent[c.index] = len(c.arguments)
         return out
 
-    def _take(self) -> tuple[tuple[TokenId, ...], tuple[TokenLogprob, ...]]:
-        """The tokens ready and not yet carried by an event, with their logprobs."""
+    def _take(self) -> tuple[tuple[TokenId, ...], tuple[TokenLogprob, ...],
+                             tuple[TokenSource, ...]]:
+        """The tokens ready and not yet carried by an event, with their logprobs and
+        sources."""
         a, self._attached = self._attached, self._ready
         return (tuple(self.text.tokens[a:self._ready]),
-                tuple(x for x in self.logprobs[a:self._ready] if x is not None))
+                tuple(x for x in self.logprobs[a:self._ready] if x is not None),
+                tuple(x for x in self.sources[a:self._ready] if x is not None))
 
-    def feed(self, token: TokenId, logprob: TokenLogprob | None = None) -> bool:
-        """Add an emitted token; returns True when a stop string ended the output."""
+    def feed(self, token: TokenId, logprob: TokenLogprob | None = None,
+             source: TokenSource | None = None) -> bool:
+        """Add an emitted token (with its logprob and source, where asked for); returns True
+        when a stop string ended the output."""
         self.logprobs.append(logprob)
+        self.sources.append(source)
         delta, stopped = self.text.feed(token)
         if not stopped:
             self._emit(delta, self.text.sent)
@@ -253,7 +261,8 @@ class Output:
                         tuple(x for x in self.logprobs[:kept] if x is not None),
                         Usage(self.prompt_tokens, kept, n_reasoning,
                               min(counters.prompt_cached, self.prompt_tokens)), stats, self.warnings,
-                        self.text.stopped_by)
+                        self.text.stopped_by,
+                        tuple(x for x in self.sources[:kept] if x is not None))
         self.sink(done)
         return done
 

@@ -53,6 +53,8 @@ class Request:
         grammar: the constraint compiled once by `Engine.prepare` (None when unconstrained).
         logprobs: None, or report each token's logprob and its top `logprobs` (0..20)
             alternatives (`events.TokenLogprob`).
+        token_sources: None, or report each token's source and allowed-set size
+            (`events.TokenSource`), and its logprob with the top `token_sources` (0..20).
         thinking: think before the constrained answer (`reasoning.Thinking`), or None.
         tools: the tools the output may call (its grammar holds them).
         calls: how the output's calls are read back (None: the output is text).
@@ -78,6 +80,7 @@ class Request:
     logprobs: int | None = None
     thinking: Thinking | None = None
     tools: tuple[Tool, ...] = ()
+    token_sources: int | None = None
     calls: CallParser | None = field(default=None, repr=False, compare=False)
     closing: Closing | None = field(default=None, repr=False, compare=False)
     unguaranteed: str | None = None
@@ -199,7 +202,7 @@ class Preparer:
 
         `request` is a `GenerateRequest`; or prompt token ids with the low-level fields as
         keywords (`constraint`, `sampling`, `max_tokens`, `stop`, `spec` (a `SpecConfig`,
-        None or "default"), `compile_timeout_s`, `logprobs`, `thinking` (a
+        None or "default"), `compile_timeout_s`, `logprobs`, `token_sources`, `thinking` (a
         `reasoning.Thinking`)), for callers that render prompts themselves.
 
         Raises:
@@ -260,7 +263,8 @@ class Preparer:
         req = self._prepare_ids(ids, constraint=constraint, sampling=r.sampling,
                                 max_tokens=max_tokens, stop=r.stop, spec=spec,
                                 compile_timeout_s=self.defaults.compile_timeout_s,
-                                logprobs=r.logprobs, thinking=thinking,
+                                logprobs=r.logprobs, token_sources=r.token_sources,
+                                thinking=thinking,
                                 close_at_budget=r.close_at_budget,
                                 closing_hints=self._closing_hints(fmt) if tools else ())
         return dataclasses.replace(req, tools=tools, calls=calls)
@@ -453,6 +457,7 @@ class Preparer:
                      max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (),
                      spec: SpecConfig | None | Literal["default"] = "default",
                      compile_timeout_s: float | None = None, logprobs: int | None = None,
+                     token_sources: int | None = None,
                      thinking: Thinking | None = None, close_at_budget: bool = True,
                      closing_hints: tuple[tuple[TokenId, ...], ...] = ()) -> Request:
         if spec == "default":
@@ -492,9 +497,8 @@ class Preparer:
                                f"{self.target.vocab_size})", param="sampling.logit_bias")
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings", param="stop")
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
-            raise RequestError(f"top_logprobs={logprobs!r}: must be an integer in [0, 20]",
-                               param="logprobs")
+        _top_count(logprobs, "logprobs")
+        _top_count(token_sources, "token_sources")
         if thinking is not None and constraint is None:
             constraint = Constraint.grammar(ANY_TEXT)
         grammar = (self.compile(constraint, compile_timeout_s, thinking)
@@ -502,7 +506,8 @@ class Preparer:
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         req = Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
-                      tuple(stop), spec, grammar, logprobs, thinking)
+                      tuple(stop), spec, grammar, logprobs, thinking,
+                      token_sources=token_sources)
         if close_at_budget and grammar is not None:
             return self._closing(req, closing_hints)
         return req
@@ -630,3 +635,16 @@ def tool_schema(t: Tool) -> dict[str, Any]:
     if t.description:
         fn["description"] = t.description
     return {"type": "function", "function": fn}
+
+
+def _top_count(n: int | None, param: str) -> int | None:
+    """A count of top alternatives per token (`logprobs`, `token_sources`): None or 0..20.
+
+    Raises:
+        RequestError: anything else.
+    """
+    if n is not None and not (isinstance(n, int) and 0 <= n <= 20) or (
+            param == "token_sources" and isinstance(n, bool)):
+        raise RequestError(f"{'top_logprobs' if param == 'logprobs' else param}={n!r}: must be "
+                           "an integer in [0, 20]", param=param)
+    return n

@@ -187,6 +187,9 @@ class GenerateRequest:
             thinking_budget: most thinking tokens (None: the engine's default share).
         reasoning_effort: passed to templates that read it.
         logprobs: None, or each token's logprob and its top `logprobs` alternatives.
+        token_sources: None, or each output token's source and how many tokens its grammar
+            allowed there (`events.TokenSource`), with its logprob and top `token_sources`
+            alternatives (0..20) in the events' logprobs.
         spec: "default" (the engine's speculative settings), None (plain decoding), or
             overrides of `SpecConfig` fields.
         template_kwargs: extra chat-template variables.
@@ -208,6 +211,7 @@ class GenerateRequest:
     thinking_budget: int | None = None
     reasoning_effort: str | None = None
     logprobs: int | None = None
+    token_sources: int | None = None
     spec: SpecOverrides = "default"
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     close_at_budget: bool = True

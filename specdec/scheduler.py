@@ -493,6 +493,7 @@ class Scheduler:
             if s.new_tokens and t not in gone:
                 for j, tok in enumerate(s.new_tokens):
                     if t.output.feed(tok, s.new_logprobs[j] if j < len(s.new_logprobs)
+                                     else None, s.new_sources[j] if j < len(s.new_sources)
                                      else None):  # a stop string ended the output
                         s.finish = "stop"
                         break

@@ -113,6 +113,15 @@ class InProcess:
                              http_client=httpx.Client(transport=_LoopTransport(self),
                                                       timeout=300))
 
+    def anthropic_client(self, key: str = "unused") -> object:
+        """Anthropic's client on this app (its SDK sends through httpx2: `_Httpx2Transport`)."""
+        import anthropic
+        import httpx2
+
+        return anthropic.Anthropic(base_url=self.url, api_key=key, max_retries=0,
+                                   http_client=httpx2.Client(transport=_Httpx2Transport(self),
+                                                             timeout=300))
+
     def stop(self) -> None:
         self.http.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -159,3 +168,17 @@ def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict:
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def _Httpx2Transport(target: InProcess) -> object:
+    """An httpx2 transport (what Anthropic's SDK sends through) onto `target`'s app."""
+    import httpx2
+
+    class Transport(httpx2.BaseTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            r = target._send(httpx.Request(request.method, str(request.url),
+                                           headers=request.headers.raw,
+                                           content=request.read()))
+            return httpx2.Response(r.status_code, headers=r.headers.raw, content=r.content)
+
+    return Transport()

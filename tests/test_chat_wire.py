@@ -281,7 +281,7 @@ def test_logprobs_name_each_token_with_its_bytes_and_alternatives(post, fake):
 def test_completions_answer_text_and_logprobs_as_parallel_lists(post, fake):
     fake.script = [TextDelta("<5>", (5,), LPS[:1]), TextDelta("<9>", (9,), LPS[1:]),
                    finished("<5><9>", logprobs=LPS)]
-    r = post({"prompt": ["Say"], "logprobs": 1}, "/v1/completions")
+    r = post({"prompt": ["Say"], "logprobs": 2}, "/v1/completions")
     assert r.status_code == 200, r.text
     c = Completion.model_validate(r.json())
     assert c.object == "text_completion" and c.id.startswith("cmpl-")
@@ -291,7 +291,7 @@ def test_completions_answer_text_and_logprobs_as_parallel_lists(post, fake):
     assert c.choices[0].logprobs.top_logprobs == [{"<5>": -0.5, "<6>": -1.5},
                                                   {"<9>": -0.25}]
     g = fake.seen[-1]
-    assert g.prompt == "Say" and g.messages == () and g.logprobs == 1  # a batch of one
+    assert g.prompt == "Say" and g.messages == () and g.logprobs == 2  # a batch of one
     r = post({"prompt": [[1, 2, 3]], "stream": True}, "/v1/completions")
     texts = [json.loads(b.removeprefix("data: "))["choices"][0]["text"]
              for b in r.text.strip().split("\n\n")[:-1]]

@@ -5,7 +5,13 @@ the biased, grammar-masked logits over the temperature, 1 when greedy) — greed
 with top-k/top-p and logit_bias, constrained and free, plain (`num_draft_tokens: 0`) and
 speculative (the served distilled draft). On the reference BLAS (this suite's) the engine's
 logits are bitwise the oracle's; `oracle.compare_logprobs` says what "equal" allows for the
-rest (float32 vs float64 arithmetic)."""
+rest (float32 vs float64 arithmetic).
+
+Half the cells also ask for the token sources extension (`token_sources`): its tokens are
+the oracle's, each one's allowed-set size is the oracle's own mask count (None where
+unconstrained), "budget" marks exactly the positions where the oracle's closing rule changed
+the pick, "forced" every position whose mask allowed one token, and its logprobs are the
+ones checked here."""
 
 from __future__ import annotations
 
@@ -53,18 +59,22 @@ CELLS = {
     "chat greedy free": Cell("chat", dict(temperature=0, top_logprobs=5)),
     "chat seeded free, streamed": Cell("chat", dict(
         temperature=0.8, seed=7, top_logprobs=5, stream=True,
-        stream_options={"include_usage": True})),
+        stream_options={"include_usage": True}, token_sources=5)),
     "chat seeded top-k top-p bias free": Cell("chat", dict(
         temperature=0.6, seed=3, top_k=20, top_p=0.9, logit_bias=BIAS, top_logprobs=5)),
     "chat greedy bias schema": Cell("chat", dict(
         temperature=0, logit_bias=BIAS, response_format=JSON_FORMAT, top_logprobs=0,
-        max_tokens=14)),  # (two above the schema's minimum: the budget steers the close)
+        max_tokens=14, token_sources=True)),
+    "chat greedy bias schema, budget steered": Cell("chat", dict(
+        temperature=0, logit_bias=BIAS, response_format=JSON_FORMAT, top_logprobs=2,
+        max_tokens=11, token_sources=2)),  # (the answer needs 12: the budget steers the close)
     "chat seeded top-p schema": Cell("chat", dict(
         temperature=1.2, seed=5, top_p=0.95, response_format=JSON_FORMAT, top_logprobs=20,
         max_tokens=14)),
     "completions seeded top-k regex": Cell("completions", dict(
         prompt="The capital of France is", temperature=0.7, top_k=8, seed=1, logprobs=3,
-        structured_outputs={"regex": " Paris, (the capital|a city) of [A-Z][a-z]+\\."})),
+        structured_outputs={"regex": " Paris, (the capital|a city) of [A-Z][a-z]+\\."},
+        token_sources=3)),
 }
 # Speculative: two draft tokens a round (three verify rows), which costs less on a CPU than
 # the default four and still checks rows after proposals.
@@ -92,8 +102,10 @@ def server(served_models):
             f"{sum(r.near_ties for r in _seen)}")
 
 
-def _post(server, cell: Cell, body: dict[str, Any]) -> tuple[list[ServedLogprob], dict]:
-    """The response's logprobs (a stream's chunks joined) and its `specdec` object."""
+def _post(server, cell: Cell, body: dict[str, Any]
+          ) -> tuple[list[ServedLogprob], dict, list[dict] | None]:
+    """The response's logprobs (a stream's chunks joined), its `specdec` object and its
+    token sources (None: none sent)."""
     chat = cell.endpoint == "chat"
     r = server.http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -102,15 +114,20 @@ def _post(server, cell: Cell, body: dict[str, Any]) -> tuple[list[ServedLogprob]
                   if line.startswith("data: ") and line != "data: [DONE]"]
         lps = [x["logprobs"] for ch in chunks for x in ch["choices"] if x["logprobs"]]
         ext = chunks[-1]["specdec"]
+        choices = [x for ch in chunks for x in ch["choices"]]
     else:
         out = r.json()
         lps, ext = [out["choices"][0]["logprobs"]], out["specdec"]
+        choices = out["choices"]
+    sources = ([e for x in choices for e in x.get("token_sources", [])]
+               if any("token_sources" in x for x in choices) else None)
     if chat:
         return [ServedLogprob(c["token"], c["logprob"],
                               tuple((a["token"], a["logprob"]) for a in c["top_logprobs"]))
-                for lp in lps for c in lp["content"]], ext
+                for lp in lps for c in lp["content"]], ext, sources
     return [ServedLogprob(t, v, tuple(top.items())) for lp in lps
-            for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])], ext
+            for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
+            ], ext, sources
 
 
 def _oracle(server, embedded, cell: Cell, body: dict[str, Any]) -> OracleResult:
@@ -147,12 +164,20 @@ def test_served_logprobs_equal_the_oracles(server, embedded, name, arm):
     body = {"model": "default", "max_tokens": MAX_TOKENS, **cell.fields, **ARMS[arm]}
     if cell.endpoint == "chat":
         body.update(messages=MESSAGES, logprobs=True)
-    served, ext = _post(server, cell, body)
+    served, ext, sources = _post(server, cell, body)
     oracle = _oracle(server, embedded, cell, body)
     tokenizer = embedded.tokenizer
 
     def text(t: int) -> str:  # how the wire names a token
         return str(tokenizer.decode([t], skip_special_tokens=False))
+
+    assert (sources is not None) == ("token_sources" in cell.fields)
+    if sources is not None:
+        _check_sources(sources, served, oracle, text, constrained="response_format" in body
+                       or "structured_outputs" in body, speculative=arm == "speculative")
+        assert sum(e["source"] == "budget" for e in sources) == ext["budget_steered"]
+        if name.endswith("budget steered"):
+            assert ext["budget_steered"] > 0 and sources[-1]["source"] == "budget", (ext, sources)
 
     if arm == "speculative":  # rounds of several verified rows, not one row at a time
         assert ext["proposed"] > 0 and ext["accepted"] > 0, ext
@@ -165,6 +190,29 @@ def test_served_logprobs_equal_the_oracles(server, embedded, name, arm):
     tally.record("logprobs vs oracle", not got.problems)
     assert not got.problems, "\n".join(got.problems)
     assert got.tokens == len(oracle.tokens) > 0
+
+
+def _check_sources(sources: list[dict], served: list[ServedLogprob], oracle: OracleResult,
+                   text: Any, constrained: bool, speculative: bool) -> None:
+    """A response's token sources against the oracle's decode (see the module docstring)
+    and the response's own logprobs (checked against the oracle's by the caller)."""
+    try:
+        assert [e["id"] for e in sources] == list(oracle.tokens)
+        assert [e["text"] for e in sources] == [text(t) for t in oracle.tokens]
+        for e, step, lp in zip(sources, oracle.steps, served):
+            assert e["allowed"] == (step.allowed if constrained else None), (e, step)
+            assert (e["source"] == "budget") == step.steered, (e, step)
+            if e["allowed"] == 1 or not speculative:  # (else: proposed as forced text)
+                assert (e["source"] == "forced") == (e["allowed"] == 1), e
+            assert e["source"] in (("forced", "looked_up", "suffixed", "drafted", "branch",
+                                    "target", "budget") if speculative
+                                   else ("forced", "target", "budget")), e
+            assert (e["logprob"], tuple((t["text"], t["logprob"]) for t in e["top"])) == \
+                (lp.logprob, lp.top)
+    except AssertionError:
+        tally.record("token sources vs oracle", False)
+        raise
+    tally.record("token sources vs oracle", True)
 
 
 # The comparison itself, on hand-made rows: it passes a float32 log-softmax of the right

@@ -1,0 +1,242 @@
+"""The token sources extension on every API (`token_sources`, off by default): each output
+token's id, text, source, allowed-set size, logprob and top alternatives, on the deltas of a
+stream (Chat Completions: each chunk's choice; Responses: the delta events; Messages: each
+content_block_delta) and on the whole answer (Chat: the choice; Responses and Messages: the
+`specdec` object), streamed and not, for an answer and a tool call. Where not asked for, no
+byte of it is on the wire. Bad values are a 400 naming the field, in the API's own shape.
+
+In process (the real app over the session's embedded model and its draft). What the sources
+say is checked against the oracle in tests/test_logprobs.py (allowed sets, the budget's
+steered positions, forced positions, logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from specdec.events import SOURCES
+from tests.serverproc import serve_app
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+USER = "Give a person's name and age as JSON."
+TOOL = {"name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 16}},
+                       "required": ["city"], "additionalProperties": False}}
+MAX_TOKENS = 40
+APIS = ("chat", "responses", "messages")
+
+
+@pytest.fixture(scope="module")
+def server(served_models):
+    s = serve_app(models=served_models)
+    yield s
+    s.stop()
+
+
+def body_of(api: str, *, stream: bool, sources: Any = None, tools: bool = False
+            ) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """(path, body, headers) of a greedy request on `api`: a JSON-schema answer, or one
+    required call of `TOOL`."""
+    extra = {} if sources is None else {"token_sources": sources}
+    if api == "chat":
+        b: dict[str, Any] = {"model": "default", "messages": [{"role": "user", "content": USER}],
+                             "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+        if tools:
+            b.update(tools=[{"type": "function", "function": TOOL}], tool_choice="required")
+        else:
+            b["response_format"] = {"type": "json_schema",
+                                    "json_schema": {"name": "person", "schema": SCHEMA}}
+        return "/v1/chat/completions", {**b, **extra}, {}
+    if api == "responses":
+        b = {"model": "default", "input": USER, "max_output_tokens": MAX_TOKENS,
+             "temperature": 0, "stream": stream, "store": False}
+        if tools:
+            b.update(tools=[{"type": "function", **TOOL}], tool_choice="required")
+        else:
+            b["text"] = {"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}}
+        return "/v1/responses", {**b, **extra}, {}
+    b = {"model": "default", "messages": [{"role": "user", "content": USER}],
+         "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    if tools:
+        b.update(tools=[{"name": TOOL["name"], "description": TOOL["description"],
+                         "input_schema": TOOL["parameters"]}], tool_choice={"type": "any"})
+    else:
+        b["output_config"] = {"format": {"type": "json_schema", "schema": SCHEMA}}
+    return "/v1/messages", {**b, **extra}, {"anthropic-version": "2023-06-01"}
+
+
+def events_of(r: httpx.Response) -> list[dict[str, Any]]:
+    """A stream's events' data, in order."""
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def streamed_sources(api: str, events: list[dict[str, Any]]) -> tuple[list[dict], str]:
+    """The token sources a stream carried, joined in order, and the text of the deltas
+    that carried them (answer, reasoning or arguments); every delta with text carries its
+    tokens' sources."""
+    got, text = [], ""
+    for ev in events:
+        if api == "chat":
+            for ch in ev["choices"]:
+                d = ch.get("delta") or {}
+                piece = (d.get("content") or "") + "".join(
+                    c["function"].get("arguments") or "" for c in d.get("tool_calls") or ())
+                carried = ch.get("token_sources")
+        elif api == "responses":
+            if not ev["type"].endswith(".delta"):
+                assert "token_sources" not in json.dumps(ev.get("response", {}).get(
+                    "output", [])), ev
+                continue
+            piece, carried = ev["delta"], ev.get("token_sources")
+        else:
+            if ev["type"] != "content_block_delta":
+                continue
+            d = ev["delta"]
+            piece = d.get("text") or d.get("partial_json") or d.get("thinking") or ""
+            carried = ev.get("token_sources")
+        if piece:
+            assert carried, ev
+        got += carried or []
+        text += piece
+    return got, text
+
+
+def whole_sources(api: str, out: dict[str, Any]) -> list[dict]:
+    if api == "chat":
+        return out["choices"][0]["token_sources"]
+    return out["specdec"]["token_sources"]
+
+
+def answer_text(api: str, out: dict[str, Any]) -> str:
+    if api == "chat":
+        m = out["choices"][0]["message"]
+        return m["content"] or "".join(c["function"]["arguments"]
+                                       for c in m.get("tool_calls") or ())
+    if api == "responses":
+        return "".join(c["text"] if i["type"] == "message" else "" for i in out["output"]
+                       for c in i.get("content") or ()) + "".join(
+            i["arguments"] for i in out["output"] if i["type"] == "function_call")
+    return "".join(b["text"] if b["type"] == "text" else json.dumps(b["input"])
+                   for b in out["content"])
+
+
+def check_entries(entries: list[dict], n: int) -> None:
+    """Each entry's shape and what its values can be."""
+    assert entries
+    for e in entries:
+        assert set(e) == {"id", "text", "source", "allowed", "logprob", "top"}, e
+        assert e["source"] in SOURCES, e
+        assert isinstance(e["allowed"], int) and e["allowed"] >= 1, e  # (all constrained)
+        assert e["logprob"] <= 1e-6, e
+        assert len(e["top"]) == min(n, e["allowed"]), e
+        values = [t["logprob"] for t in e["top"]]
+        assert values == sorted(values, reverse=True)
+        if e["allowed"] == 1:
+            assert e["source"] == "forced" and e["logprob"] == 0.0, e
+    assert any(e["source"] == "forced" for e in entries)
+    assert any(e["source"] != "forced" for e in entries)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("tools", [False, True], ids=["schema", "tool call"])
+@pytest.mark.parametrize("api", APIS)
+def test_token_sources_streamed_and_whole(server, api, tools):
+    path, body, headers = body_of(api, stream=False, sources=2, tools=tools)
+    r = server.http.post(path, json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    whole = whole_sources(api, r.json())
+    check_entries(whole, 2)
+    text = answer_text(api, r.json())
+    if not tools:  # the answer is the tokens' text (ASCII JSON: no token splits a character)
+        assert "".join(e["text"] for e in whole) == text
+        json.loads(text)
+    path, body, headers = body_of(api, stream=True, sources=2, tools=tools)
+    streamed, carried_text = streamed_sources(
+        api, events_of(server.http.post(path, json=body, headers=headers)))
+    # Greedy: the same tokens, each carried by one delta (where each came from may differ:
+    # the second request's proposals include the first's answer).
+    def strip(es: list[dict]) -> list[dict]:
+        return [{k: v for k, v in e.items() if k != "source"} for e in es]
+
+    assert strip(streamed) == strip(whole)
+    check_entries(streamed, 2)
+    if not tools:
+        assert carried_text == text
+    else:
+        assert json.loads(carried_text) == json.loads(text) and "city" in json.loads(text)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("api", APIS)
+def test_absent_unless_asked(server, api):
+    for stream in (False, True):
+        for off in (None, False):
+            path, body, headers = body_of(api, stream=stream, sources=off)
+            r = server.http.post(path, json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            assert "token_sources" not in r.text
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("api", APIS)
+def test_bad_values_are_a_400_naming_the_field(server, api):
+    for bad in (21, -1, "yes", 2.5, [1], {"n": 1}):
+        path, body, headers = body_of(api, stream=False, sources=bad)
+        r = server.http.post(path, json=body, headers=headers)
+        assert r.status_code == 400, (bad, r.text)
+        if api == "messages":
+            assert r.json()["type"] == "error" and "token_sources" in r.json()["error"]["message"]
+        else:
+            err = r.json()["error"]
+            assert "token_sources" in (err["param"] or "") + err["message"], err
+    assert server.http.get("/health").status_code == 200
+
+
+@pytest.mark.model
+def test_chat_logprobs_keep_their_own_count_beside_more_alternatives(server):
+    path, body, _ = body_of("chat", stream=False, sources=4)
+    body.update(logprobs=True, top_logprobs=1)
+    out = server.http.post(path, json=body).json()
+    lps = out["choices"][0]["logprobs"]["content"]
+    srcs = out["choices"][0]["token_sources"]
+    assert len(lps) == len(srcs)
+    for lp, e in zip(lps, srcs):
+        assert len(lp["top_logprobs"]) == min(1, e["allowed"])
+        assert len(e["top"]) == min(4, e["allowed"])
+        assert (lp["token"], lp["logprob"]) == (e["text"], e["logprob"])
+        assert [(t["token"], t["logprob"]) for t in lp["top_logprobs"]] == \
+            [(t["text"], t["logprob"]) for t in e["top"][:1]]
+
+
+@pytest.mark.model
+def test_official_clients_read_the_extension(server):
+    """The openai and anthropic SDKs stream a request that asks for it, and keep it on
+    their objects (`model_extra`)."""
+    client = server.client()
+    seen = []
+    with client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": USER}], max_tokens=16,
+            temperature=0, stream=True, extra_body={"token_sources": True}) as st:
+        for chunk in st:
+            for ch in chunk.choices:
+                seen += (ch.model_extra or {}).get("token_sources") or []
+    assert seen and all(e["source"] in SOURCES and e["allowed"] is None for e in seen)
+    ac = server.anthropic_client()
+    seen = []
+    with ac.messages.stream(model="default", max_tokens=16,
+                            messages=[{"role": "user", "content": USER}],
+                            extra_body={"token_sources": 1, "temperature": 0}) as st:
+        for ev in st:
+            if ev.type == "content_block_delta":
+                seen += (ev.model_extra or {}).get("token_sources") or []
+        final = st.get_final_message()
+    assert seen and "".join(e["text"] for e in seen) == final.content[0].text
