@@ -240,3 +240,39 @@ def test_official_clients_read_the_extension(server):
                 seen += (ev.model_extra or {}).get("token_sources") or []
         final = st.get_final_message()
     assert seen and "".join(e["text"] for e in seen) == final.content[0].text
+
+
+@pytest.mark.model
+def test_every_decode_path_reports_the_same_allowed_sets(engines):
+    """Plain decoding, proposal chains and token trees (branches priced in: every round may
+    grow one) emit the same tokens with the same allowed-set sizes on the reference BLAS;
+    only where each came from differs, and a tree's accepted branches say "branch"."""
+    from collections import Counter
+
+    from specdec.request import Constraint, GenerateRequest, Message
+
+    engine = engines["distilled"]
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"],
+                                       "email": {"type": "string", "format": "email"}},
+              "required": ["name", "age", "email"]}
+    got = {}
+    for arm, spec in (("plain", None), ("chain", {"tree": 0}),
+                      ("tree", {"tree": 8, "tree_min_score": 0.0})):
+        f = engine.generate(engine.prepare(GenerateRequest(
+            messages=(Message("user", USER + " With an email."),),
+            constraint=Constraint.json_schema(schema), max_tokens=48, token_sources=0,
+            spec=spec)))
+        assert len(f.sources) == len(f.tokens) == len(f.logprobs) > 0
+        got[arm] = f
+    for arm in ("chain", "tree"):
+        assert got[arm].tokens == got["plain"].tokens, arm
+        assert [s.allowed for s in got[arm].sources] == \
+            [s.allowed for s in got["plain"].sources], arm
+        assert [lp.logprob for lp in got[arm].logprobs] == \
+            [lp.logprob for lp in got["plain"].logprobs], arm
+    counts = {arm: Counter(s.source for s in f.sources) for arm, f in got.items()}
+    assert set(counts["plain"]) <= {"forced", "target", "budget"}, counts
+    assert counts["plain"]["forced"] == sum(s.allowed == 1 for s in got["plain"].sources)
+    assert counts["tree"]["branch"] > 0, counts
+    assert "branch" not in counts["chain"], counts
+    assert set(counts["chain"]) - {"forced", "target", "budget"}, counts  # proposals accepted
