@@ -14,12 +14,14 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.engine import Engine
@@ -182,7 +184,24 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
 
     for api in APIS:
         app.include_router(api.router(door))
+    if config.ui:
+        add_playground(app)
     return app
+
+
+STATIC = Path(__file__).parent / "static"
+
+
+def add_playground(app: FastAPI) -> None:
+    """The playground page: `GET /` and its files under `/ui/`, static and the same for
+    everyone (no data of the server's: the page reads everything through the APIs, with the
+    API key the user gives it, so it shows no more than they do)."""
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html",
+                            headers={"Cache-Control": "no-cache"})
+
+    app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -39,7 +39,7 @@ from pydantic import (AllowInfNan, BaseModel, BeforeValidator, Field, Strict, Va
                       ValidationInfo)
 from pydantic_core import PydanticCustomError
 
-from specdec.config import LIMITS
+from specdec.config import LIMITS, MAX_TREE_NODES
 from specdec.engine import Engine
 from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, SamplingError,
                             SpecdecError)
@@ -101,6 +101,10 @@ class Extensions(BaseModel):
     num_draft_tokens: Int | None = Field(None, ge=0, le=16, description="0: plain decoding")
     draft_masking: bool | None = None
     prompt_lookup: bool | None = None
+    tree_tokens: Int | None = Field(None, ge=0, le=MAX_TREE_NODES,
+                                    description="most token-tree branch tokens a round adds "
+                                                "to its chain (0: chains only; default: the "
+                                                "server's --tree)")
     close_at_budget: bool | None = Field(
         None, description="true (the default): a constrained answer closes its document in "
                           "time for the token budget; false: it is cut where the budget ends")
@@ -116,7 +120,8 @@ class Extensions(BaseModel):
         `token_sources` (true: 0 alternatives; false: off)."""
         k = self.num_draft_tokens
         given = {name: v for name, v in (("k", k), ("draft_masking", self.draft_masking),
-                                          ("lookup", self.prompt_lookup)) if v is not None}
+                                          ("lookup", self.prompt_lookup),
+                                          ("tree", self.tree_tokens)) if v is not None}
         spec: SpecOverrides = None if k == 0 else given or "default"
         ts = self.token_sources
         return {"spec": spec, "close_at_budget": self.close_at_budget is not False,

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
+    s.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="serve no playground page at / (the APIs only)")
     s.add_argument("--chat-template", metavar="FILE", default=None)
     s.add_argument("--reasoning-format", default=None,
                    help="the reasoning protocol thinking requests follow: harmony, gemma, "
@@ -494,7 +496,7 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
     store = args.store or str(cache_dir() / "responses.sqlite3")
     bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20)
     return replace(ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
-                               channel=channel, store=store, store_bounds=bounds),
+                               ui=getattr(args, "ui", True), channel=channel, store=store, store_bounds=bounds),
                    **{k: v or None if k == "request_timeout_s" else v
                       for k, v in given.items() if v is not None})
 

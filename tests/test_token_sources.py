@@ -276,3 +276,22 @@ def test_every_decode_path_reports_the_same_allowed_sets(engines):
     assert counts["tree"]["branch"] > 0, counts
     assert "branch" not in counts["chain"], counts
     assert set(counts["chain"]) - {"forced", "target", "budget"}, counts  # proposals accepted
+
+
+@pytest.mark.model
+def test_tree_tokens_sets_a_requests_token_tree(server):
+    """`tree_tokens` (every API): the most branch tokens a round adds; 0 proposes chains
+    only, so no token comes from a branch; past the limit it is a 400 naming it."""
+    from server.chat import to_request
+    from server.chat_wire import ChatCompletionRequest
+
+    path, body, _ = body_of("chat", stream=False, sources=True)
+    assert to_request(ChatCompletionRequest.model_validate(
+        {**body, "tree_tokens": 8})).spec == {"tree": 8}
+    out = server.http.post(path, json={**body, "tree_tokens": 0}).json()
+    assert "branch" not in {e["source"] for e in out["choices"][0]["token_sources"]}
+    assert out["specdec"]["branched"] == 0 and out["specdec"]["proposed"] > 0
+    for api in APIS:
+        path, body, headers = body_of(api, stream=False)
+        r = server.http.post(path, json={**body, "tree_tokens": 33}, headers=headers)
+        assert r.status_code == 400 and "tree_tokens" in r.text, r.text
