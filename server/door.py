@@ -711,6 +711,7 @@ def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> di
             "grammar_cuts": c.grammar_cuts, "budget_steered": c.budget_steered,
             "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
             "prepare_s": round(getattr(run, "prepare_s", 0.0), 6),
+            "compile_s": round(getattr(run.request, "compile_s", 0.0), 6),
             "decode_s": round(stats.decode_s, 6), "tokens_per_s": round(stats.tokens_per_s, 3),
             "seconds": round(stats.seconds, 6), "warnings": list(warnings),
             **({"budget_minimum": closing.minimum} if closing is not None else {}),

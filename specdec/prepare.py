@@ -19,6 +19,7 @@ import dataclasses
 import json
 import reprlib
 import secrets
+import time
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Request:
             alternatives (`events.TokenLogprob`).
         token_sources: None, or report each token's source and allowed-set size
             (`events.TokenSource`), and its logprob with the top `token_sources` (0..20).
+        compile_s: seconds its constraint took to compile (near 0: the cache had it).
         thinking: think before the constrained answer (`reasoning.Thinking`), or None.
         tools: the tools the output may call (its grammar holds them).
         calls: how the output's calls are read back (None: the output is text).
@@ -81,6 +83,8 @@ class Request:
     thinking: Thinking | None = None
     tools: tuple[Tool, ...] = ()
     token_sources: int | None = None
+    compile_s: float = field(default=0.0, compare=False)  # compiling its constraint (or
+    # finding it in the compiler's cache)
     calls: CallParser | None = field(default=None, repr=False, compare=False)
     closing: Closing | None = field(default=None, repr=False, compare=False)
     unguaranteed: str | None = None
@@ -501,13 +505,15 @@ class Preparer:
         _top_count(token_sources, "token_sources")
         if thinking is not None and constraint is None:
             constraint = Constraint.grammar(ANY_TEXT)
+        t0 = time.perf_counter()
         grammar = (self.compile(constraint, compile_timeout_s, thinking)
                    if constraint is not None else None)
+        compile_s = time.perf_counter() - t0
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         req = Request(tuple(int(t) for t in prompt_ids), constraint, sampling, max_tokens,
                       tuple(stop), spec, grammar, logprobs, thinking,
-                      token_sources=token_sources)
+                      token_sources=token_sources, compile_s=compile_s)
         if close_at_budget and grammar is not None:
             return self._closing(req, closing_hints)
         return req

@@ -594,13 +594,12 @@
       ? `${pct(sd.acceptance_rate)} (${sd.accepted}/${sd.proposed} proposed)` : "—";
     $("stat-rounds").textContent = sd.rounds !== undefined
       ? `${sd.rounds}` + (sd.k !== undefined ? ` · k ${sd.k}` : "") : "—";
-    const compile = sd.compile_s ?? sd.grammar_compile_s ?? (sd.compile_ms !== undefined ? sd.compile_ms / 1000 : undefined);
     const cparts = [];
-    if (typeof compile === "number") cparts.push(fmt(compile * 1000) + " ms");
-    else if (typeof sd.prepare_s === "number") cparts.push("prepared in " + fmt(sd.prepare_s * 1000) + " ms");
+    if (typeof sd.compile_s === "number") cparts.push(fmt(sd.compile_s * 1000) + " ms");
+    if (typeof sd.prepare_s === "number") cparts.push("prepared in " + fmt(sd.prepare_s * 1000) + " ms");
     if (typeof sd.mask_s === "number") cparts.push("masks " + fmt(sd.mask_s * 1000) + " ms");
     $("stat-compile").textContent = cparts.join(" · ") || "—";
-    const minimum = sd.budget_minimum ?? sd.budget_min ?? sd.minimum_tokens;
+    const minimum = sd.budget_minimum;
     const bparts = [];
     if (minimum !== undefined && minimum !== null) bparts.push("minimum " + minimum);
     if (sd.budget_steered !== undefined) bparts.push(sd.budget_steered + " steered");
