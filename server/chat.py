@@ -35,7 +35,8 @@ from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, Sa
 from .chat_wire import (CHAT_RESPONSES, CHAT_UNMODELED, COMPLETION_RESPONSES,
                         COMPLETION_UNMODELED, AssistantTurn, ChatCompletionRequest,
                         CompletionRequest, TextPart, ToolResult, SamplingFields)
-from .door import Door, Fold, Run, SSEEvent, extension, sampling, token_sources, tool
+from .door import (Door, Fold, Run, SSEEvent, extension, rest_sources, sampling, token_sources,
+                   tool)
 from .errors import bad_request, openai_body, openai_response
 
 PREFIX = "/v1/"  # OpenAI's error shape is every other path's too
@@ -243,6 +244,7 @@ class Chunks(Fold):
     id: str
     started: set[int] = field(default_factory=set)  # tool calls whose first delta was sent
     done: Finished | None = None
+    carried: int = 0  # output tokens the chunks carried
 
     @classmethod
     def of(cls, body: Body, run: Run) -> Chunks:
@@ -269,6 +271,7 @@ class Chunks(Fold):
             return [(None, openai_body(ev.error, self.params)), DONE]
         self.done = ev
         out = [self._chunk(None, ev.finish_reason)]
+        out[0][1]["choices"][0].update(rest_sources(self.run, ev, self.carried))
         if self.usage:
             out.append((None, {**self._head(), "choices": [], "usage": usage_of(ev),
                                "specdec": extension(self.run, ev.stats, ev.warnings)}))
@@ -311,6 +314,7 @@ class Chunks(Fold):
         """A chunk of the stream: a delta, with the logprobs and the token sources of the
         tokens behind it (`ev`'s) where asked for; or the finish reason."""
         lps = ev.logprobs if ev is not None else ()
+        self.carried += len(ev.tokens) if ev is not None else 0
         want = self.run.request.logprobs is not None and lps
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
                                   "logprobs": logprobs_of(self.run, lps, self.chat) if want

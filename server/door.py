@@ -108,7 +108,7 @@ class Extensions(BaseModel):
     close_at_budget: bool | None = Field(
         None, description="true (the default): a constrained answer closes its document in "
                           "time for the token budget; false: it is cut where the budget ends")
-    token_sources: bool | Int | None = Field(
+    token_sources: bool | Annotated[Int, Field(ge=0, le=20)] | None = Field(
         None, description="each output token's source (forced, looked_up, suffixed, drafted, "
                           "branch, target, budget), how many tokens its grammar allowed, its "
                           "logprob and this many top alternatives (true: none; 0..20), "
@@ -743,6 +743,14 @@ def warning_header(warnings: tuple[str, ...], limit: int = 2000) -> dict[str, st
     if not warnings:
         return {}
     return {"Warning": f'199 specdec "{header_text("; ".join(warnings), limit)}"'}
+
+
+def rest_sources(run: Run, ev: Finished, carried: int) -> dict[str, Any]:
+    """The closing event's `token_sources`: those of the output tokens no delta carried
+    (`carried` did: markup closing a think block or a call at the very end has no text of
+    its own), where asked for and any are left; else nothing."""
+    srcs = token_sources(run, ev.tokens[carried:], ev.sources[carried:], ev.logprobs[carried:])
+    return {"token_sources": srcs} if srcs else {}
 
 
 def token_sources(run: Run, tokens: Sequence[TokenId], sources: Sequence[TokenSource],

@@ -38,7 +38,8 @@ from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
 from specdec.request import Constraint, GenerateRequest, Message, NamedTool, ToolCall, ToolChoice
 
-from .door import Door, Fold, Run, SSEEvent, extension, sampling, token_sources, tool
+from .door import (Door, Fold, Run, SSEEvent, extension, rest_sources, sampling, token_sources,
+                   tool)
 from .errors import anthropic_body, anthropic_response, bad_request
 from .messages_wire import (UNMODELED, CountTokensBody, MessagesBody, OutputConfig,
                             TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
@@ -189,7 +190,16 @@ def prompt_request(body: CountTokensBody) -> GenerateRequest:
 
 
 def to_request(body: MessagesBody) -> GenerateRequest:
-    """The neutral request a Messages body means (Anthropic's temperature default: 1.0)."""
+    """The neutral request a Messages body means (Anthropic's temperature default: 1.0).
+
+    Raises:
+        WireError: 400 for token sources asked beside omitted thinking (its tokens' text
+            would show the thinking the request hides).
+    """
+    if body.token_sources not in (None, False) and body.thinking is not None and \
+            body.thinking.display == "omitted":
+        raise bad_request("token_sources would show the thinking that display 'omitted' "
+                          "hides: ask for one or the other", "token_sources")
     return dataclasses.replace(
         prompt_request(body),
         sampling=sampling(body.temperature, body.top_p, body.top_k, body.seed),
@@ -208,6 +218,7 @@ class Blocks(Fold):
 
     run: Run
     omit_thinking: bool = False  # `display: "omitted"`: the block is sent, its text not
+    carried: int = 0  # output tokens the content_block_delta events carried
     id: str = dataclasses.field(default_factory=lambda: "msg_" + uuid.uuid4().hex[:24])
     content: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     key: BlockKey | None = None  # the open block
@@ -244,6 +255,7 @@ class Blocks(Fold):
         (`ev`'s) where asked for."""
         srcs = (token_sources(self.run, ev.tokens, ev.sources, ev.logprobs)  # type: ignore
                 if ev is not None else None)
+        self.carried += len(ev.tokens) if ev is not None else 0  # type: ignore[union-attr]
         return ("content_block_delta", {"type": "content_block_delta",
                                         "index": len(self.content) - 1, "delta": delta,
                                         **({"token_sources": srcs} if srcs is not None
@@ -276,7 +288,8 @@ class Blocks(Fold):
             ("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": reason, "stop_sequence": seq},
                                "usage": usage(ev),
-                               "specdec": extension(self.run, ev.stats, ev.warnings)}),
+                               "specdec": extension(self.run, ev.stats, ev.warnings),
+                               **rest_sources(self.run, ev, self.carried)}),
             ("message_stop", {"type": "message_stop"})]
 
     def close(self) -> list[SSEEvent]:

@@ -50,7 +50,8 @@ from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, T
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
                              ToolChoice)
 
-from .door import Door, Fold, Run, SSEEvent, extension, sampling, token_sources, tool
+from .door import (Door, Fold, Run, SSEEvent, extension, rest_sources, sampling, token_sources,
+                   tool)
 from .errors import WireError, bad_request, message_of, openai_body, openai_response
 from .openapi import GENERATE_RESPONSES, error_responses, sse as sse_body
 from .responses_wire import (ConversationRef, FunctionChoice, InputItem, NEEDS, UNMODELED,
@@ -293,6 +294,7 @@ class Writer(Fold):
     open: dict[str, Any] | None = None
     call: int | None = None  # the open function_call item's ToolCallDelta index
     final: dict[str, Any] | None = None
+    carried: int = 0  # output tokens the delta events carried
 
     @classmethod
     def of(cls, body: ResponsesRequest, run: Run, turn: Turn | None = None,
@@ -325,6 +327,7 @@ class Writer(Fold):
 
     def _sources(self, ev: Event) -> dict[str, Any]:
         """A delta event's `token_sources` (the tokens behind it), where asked for."""
+        self.carried += len(ev.tokens)  # type: ignore[union-attr]
         srcs = token_sources(self.run, ev.tokens, ev.sources, ev.logprobs)  # type: ignore
         return {} if srcs is None else {"token_sources": srcs}
 
@@ -403,6 +406,7 @@ class Writer(Fold):
         else:
             last = self.response("response.completed", "completed", **done,
                                  completed_at=int(time.time()))
+        last[1].update(rest_sources(self.run, ev, self.carried))
         self.final = last[1]["response"]
         self.turn.keep(self.store, self.final)
         return out + [last]

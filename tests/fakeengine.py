@@ -36,12 +36,14 @@ def finished(text: str = "", reasoning: str | None = None, finish: str = "stop",
              calls: tuple[ToolCall, ...] = (), *, prompt_tokens: int = 7,
              completion_tokens: int = 5, reasoning_tokens: int | None = None, seed: int = 3,
              warnings: tuple[str, ...] = (), stop_sequence: str | None = None,
-             logprobs: tuple[Any, ...] = ()) -> Finished:
-    """A run's last event: its text, reasoning and calls, usage and stats."""
+             logprobs: tuple[Any, ...] = (), tokens: tuple[int, ...] = (),
+             sources: tuple[Any, ...] = ()) -> Finished:
+    """A run's last event: its text, reasoning and calls, usage and stats (and the tokens
+    behind them, with their logprobs and sources, where a test gives them)."""
     stats = GenerationStats(prompt_tokens, completion_tokens, 0.1, seed, 0, SpecStats(), 0.2)
-    return Finished(finish, text, reasoning, calls, (), logprobs,  # type: ignore[arg-type]
+    return Finished(finish, text, reasoning, calls, tokens, logprobs,  # type: ignore[arg-type]
                     Usage(prompt_tokens, completion_tokens, reasoning_tokens), stats, warnings,
-                    stop_sequence)
+                    stop_sequence, sources)
 
 
 def raises(param: str, message: str = "bad") -> Callable[[GenerateRequest], Sequence[Event]]:
@@ -82,7 +84,8 @@ class FakeEngine:
     def prepare(self, greq: GenerateRequest) -> Request:
         self.seen.append(greq)
         self.events = list(self.script(greq) if callable(self.script) else self.script)
-        return Request(self.prompt, sampling=greq.sampling, logprobs=greq.logprobs)
+        return Request(self.prompt, sampling=greq.sampling, logprobs=greq.logprobs,
+                       token_sources=greq.token_sources)
 
     def submit(self, req: Request, stream: RequestStream) -> RequestStream:
         for ev in self.events:

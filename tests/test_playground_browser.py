@@ -1,10 +1,14 @@
 """The playground page (`server/static`, served at `/`) in a real browser: Debian's Chromium
 driven by Playwright against one real `specdec serve --api-key` process.
 
-What it checks: the page loads without errors and asks for the key on a 401; a streamed
-JSON-schema answer shows its tokens coloured by source (forced and target among them, in the
-legend's colours) and validates against the schema in the page; a tool call renders as a card;
-the server panel follows `/metrics`; and the whole flow works by keyboard alone.
+What it checks: the page loads without errors and asks for the key on a 401 (in a masked
+text field, not a password field a password manager would keep); a streamed JSON-schema answer
+shows its tokens coloured by source (forced and target among them, in the legend's colours) and
+validates against the schema in the page; a tool call renders as a card; the server panel
+follows `/metrics`; the whole flow works by keyboard alone; and, with the browser answering in
+the server's place (`page.route`), a failed model list, a stream cut off before its final event
+and a data block that is not JSON show as errors, a closing event's token sources join the
+answer's tokens, and a pattern JS cannot read is reported unchecked, never valid.
 
 Screenshots go to `$SPECDEC_ARTIFACTS` (else the test's temporary directory);
 `SPECDEC_WRITE_SCREENSHOT=1` also writes the README's `docs/playground.png`.
@@ -23,8 +27,7 @@ CHROMIUM = os.environ.get("SPECDEC_CHROMIUM", "/usr/bin/chromium")
 if not os.access(CHROMIUM, os.X_OK):
     pytest.skip(f"no Chromium at {CHROMIUM} (scripts/dev test installs Debian's chromium as "
                 f"root; SPECDEC_CHROMIUM names another)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api",
-                               reason="the playwright package is not installed (test extras)")
+from playwright import sync_api  # noqa: E402  (a test extra: missing, the setup is broken)
 
 pytestmark = pytest.mark.model
 
@@ -111,6 +114,10 @@ def colour(page, selector: str) -> str:
 def test_loads_clean_and_asks_for_the_key(tab, artifacts):
     t = tab(key=None)
     page = t.page
+    # The key field: masked, but no password field (so no password manager offers to keep it).
+    assert page.get_attribute("#api-key", "type") == "text"
+    assert page.locator("input[type=password], input[autocomplete=username]").count() == 0
+    assert page.eval_on_selector("#api-key", "e => getComputedStyle(e).webkitTextSecurity") == "disc"
     page.wait_for_selector("#auth-banner:not([hidden])")
     page.fill("#user", "hi")
     page.click("#send")
@@ -270,3 +277,101 @@ def test_keyboard_only(tab, artifacts):
         timeout=ANSWER_S)
     assert page.locator("#transcript .turn.user").count() == 2
     t.clean()
+
+
+def sse(*events) -> str:
+    """An SSE body: each event a `data:` block (a string as it is, else as JSON)."""
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+
+
+def tok(text: str, source: str = "target") -> dict:
+    return {"id": 1, "text": text, "source": source, "allowed": None, "logprob": -0.5, "top": []}
+
+
+def chunk(delta: dict | None = None, finish: str | None = None,
+          sources: list | None = None) -> dict:
+    choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+    if sources is not None:
+        choice["token_sources"] = sources
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def test_stream_faults_and_closing_tokens(tab, artifacts):
+    """The browser answers in the server's place (`page.route`): what a broken or cut-off
+    stream, a failed model list and the closing events' token sources look like."""
+    t = tab()
+    page = t.page
+    page.route("**/v1/models", lambda r: r.fulfill(
+        status=503, content_type="application/json",
+        body=json.dumps({"error": {"message": "models are loading", "type": "unavailable"}})))
+    page.reload()
+    page.wait_for_function("document.getElementById('model-note').textContent.includes('503')")
+    assert page.locator("#model-note").is_visible()
+    assert "models are loading" in page.inner_text("#model-note")
+    assert page.input_value("#model") == "default"
+
+    bodies: list[str] = []
+    for path in ("**/v1/chat/completions", "**/v1/messages"):
+        page.route(path, lambda r: r.fulfill(status=200, content_type="text/event-stream",
+                                             body=bodies.pop(0)))
+
+    def send(body: str, text: str = "hi") -> None:
+        bodies.append(body)
+        before = page.locator("#transcript .turn.assistant.done").count()
+        page.fill("#user", text)
+        page.click("#send")
+        page.wait_for_function(
+            f"document.querySelectorAll('#transcript .turn.assistant.done').length > {before}"
+            " && document.body.dataset.busy === 'false'", timeout=10_000)
+
+    # A stream that ends with no final event (no finish_reason, no [DONE]): an error, not success.
+    send(sse(chunk({"content": "Hel"}, sources=[tok("Hel")])))
+    assert "ended before the answer finished" in page.inner_text("#error")
+    assert page.locator("#transcript .turn.assistant.cut").count() == 1
+    assert page.inner_text("#stat-finish") == "cut off"
+    page.screenshot(path=str(artifacts / "playground-cut-off.png"), full_page=True)
+    # A data block that is not JSON: reported, not skipped.
+    send(sse(chunk({"content": "Hi"}), "{not json", chunk(finish="stop"), "[DONE]"))
+    assert "not JSON" in page.inner_text("#error")
+    assert page.locator("#transcript .turn.assistant.cut").count() == 2
+
+    # The closing chunk's token sources join the tokens (apart from the text, not twice); a
+    # pattern JS cannot read is reported as not checked, never as valid.
+    page.select_option("#constraint", "json_schema")
+    page.fill("#constraint-text", json.dumps({"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "[z-a]"}}}))
+    text = '{"code": "x"}'
+    send(sse(chunk({"content": text}, sources=[tok(text)]),
+             chunk(finish="stop", sources=[tok("<|end|>", "forced")]), "[DONE]"))
+    assert page.locator("#error").is_hidden(), page.inner_text("#error")
+    last = page.locator("#transcript .turn.assistant").last
+    assert last.locator(":scope > .answer").inner_text() == text
+    closing = last.locator(".markup .tok[data-source=forced]")
+    assert closing.count() == 1 and closing.get_attribute("tabindex") == "0"
+    assert last.locator(".tok").count() == 2
+    v = page.locator("#stat-validation")
+    assert v.inner_text().startswith("pattern not checked in the page"), v.inner_text()
+    assert "valid" not in (v.get_attribute("class") or "").split()
+    page.screenshot(path=str(artifacts / "playground-unchecked.png"), full_page=True)
+
+    # Messages: message_delta's token sources; an answer without message_stop is cut off.
+    page.select_option("#constraint", "none")
+    page.select_option("#api", "messages")
+    head = [{"type": "message_start", "message": {"usage": {"input_tokens": 3}}},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}},
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "text_delta", "text": "Yes"}, "token_sources": [tok("Yes")]},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+             "usage": {"output_tokens": 2}, "token_sources": [tok("</s>", "forced")]}]
+    send(sse(*head, {"type": "message_stop"}))
+    assert page.locator("#error").is_hidden(), page.inner_text("#error")
+    last = page.locator("#transcript .turn.assistant").last
+    assert last.locator(":scope > .answer").inner_text() == "Yes"
+    assert last.locator(".markup .tok[data-source=forced]").count() == 1
+    assert page.inner_text("#stat-finish") == "end_turn"
+    send(sse(*head))
+    assert "ended before the answer finished" in page.inner_text("#error")
+    assert page.inner_text("#stat-finish") == "end_turn (cut off)"
+    assert not [e for e in t.errors if "status of 503" not in e], t.errors
+    assert not t.foreign, t.foreign

@@ -80,31 +80,33 @@ def events_of(r: httpx.Response) -> list[dict[str, Any]]:
 
 
 def streamed_sources(api: str, events: list[dict[str, Any]]) -> tuple[list[dict], str]:
-    """The token sources a stream carried, joined in order, and the text of the deltas
-    that carried them (answer, reasoning or arguments); every delta with text carries its
-    tokens' sources."""
-    got, text = [], ""
+    """The token sources a stream's deltas carried, joined in order, and the text of those
+    deltas (answer, reasoning or arguments); every delta with text carries its tokens'
+    sources."""
+    deltas: list[tuple[str, list[dict] | None]] = []  # (its text, its token sources)
     for ev in events:
         if api == "chat":
             for ch in ev["choices"]:
+                if ch.get("finish_reason"):
+                    continue  # (the closing chunk: `wire_sources`)
                 d = ch.get("delta") or {}
-                piece = (d.get("content") or "") + "".join(
-                    c["function"].get("arguments") or "" for c in d.get("tool_calls") or ())
-                carried = ch.get("token_sources")
+                deltas.append(((d.get("content") or "") + "".join(
+                    c["function"].get("arguments") or "" for c in d.get("tool_calls") or ()),
+                    ch.get("token_sources")))
         elif api == "responses":
-            if not ev["type"].endswith(".delta"):
+            if ev["type"].endswith(".delta"):
+                deltas.append((ev["delta"], ev.get("token_sources")))
+            else:
                 assert "token_sources" not in json.dumps(ev.get("response", {}).get(
                     "output", [])), ev
-                continue
-            piece, carried = ev["delta"], ev.get("token_sources")
-        else:
-            if ev["type"] != "content_block_delta":
-                continue
+        elif ev["type"] == "content_block_delta":
             d = ev["delta"]
-            piece = d.get("text") or d.get("partial_json") or d.get("thinking") or ""
-            carried = ev.get("token_sources")
+            deltas.append((d.get("text") or d.get("partial_json") or d.get("thinking") or "",
+                           ev.get("token_sources")))
+    got, text = [], ""
+    for piece, carried in deltas:
         if piece:
-            assert carried, ev
+            assert carried, (piece, carried)
         got += carried or []
         text += piece
     return got, text
@@ -146,6 +148,67 @@ def check_entries(entries: list[dict], n: int) -> None:
     assert any(e["source"] != "forced" for e in entries)
 
 
+def wire_sources(api: str, events: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """A stream's token sources: those its deltas carried, and those its closing event
+    carried (chat: the finish chunk; Responses: response.completed or .incomplete;
+    Messages: message_delta)."""
+    deltas, closing = [], []
+    for ev in events:
+        if api == "chat":
+            for ch in ev["choices"]:
+                (closing if ch.get("finish_reason") else deltas).extend(
+                    ch.get("token_sources") or [])
+        elif ev["type"].endswith(".delta") or ev["type"] == "content_block_delta":
+            deltas += ev.get("token_sources") or []
+        else:
+            closing += ev.get("token_sources") or []
+    return deltas, closing
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_the_closing_event_carries_the_tokens_no_delta_did(fake, fake_app, api):
+    """Stand-in engine: two tokens behind two deltas and a third behind no text (markup
+    closing the output): the stream's deltas carry the first two, its closing event the
+    third; the whole answer all three; without the field, none."""
+    from specdec.events import TextDelta, TokenLogprob, TokenSource
+    from tests.fakeengine import finished, post
+
+    lps = (TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.5))), TokenLogprob(9, -0.25, ((9, -0.25),)),
+           TokenLogprob(11, 0.0, ((11, 0.0),)))
+    srcs = (TokenSource("forced", 1), TokenSource("drafted", 40), TokenSource("target", 3))
+    fake.script = [TextDelta("<5>", (5,), lps[:1], srcs[:1]),
+                   TextDelta("<9>", (9,), lps[1:2], srcs[1:2]),
+                   finished("<5><9>", tokens=(5, 9, 11), logprobs=lps, sources=srcs)]
+    want = [{"id": t, "text": f"<{t}>", "source": s.source, "allowed": s.allowed,
+             "logprob": lp.logprob, "top": [{"id": a, "text": f"<{a}>", "logprob": b}
+                                            for a, b in lp.top[:1]]}
+            for t, s, lp in zip((5, 9, 11), srcs, lps)]
+    path, body, _ = body_of(api, stream=True, sources=1)
+    deltas, closing = wire_sources(api, events_of(post(fake_app, path, body)))
+    assert (deltas, closing) == (want[:2], want[2:])
+    assert fake.seen[-1].token_sources == 1
+    path, body, _ = body_of(api, stream=False, sources=1)
+    r = post(fake_app, path, body)
+    assert r.status_code == 200, r.text
+    assert whole_sources(api, r.json()) == want
+    for stream in (False, True):
+        path, body, _ = body_of(api, stream=stream)
+        r = post(fake_app, path, body)
+        assert r.status_code == 200 and "token_sources" not in r.text, r.text
+
+
+def test_messages_refuse_token_sources_beside_omitted_thinking(fake, fake_app):
+    from tests.fakeengine import finished, post
+
+    path, body, _ = body_of("messages", stream=False, sources=True)
+    body["thinking"] = {"type": "enabled", "budget_tokens": 8, "display": "omitted"}
+    r = post(fake_app, path, body)
+    assert r.status_code == 400 and "token_sources" in r.json()["error"]["message"], r.text
+    body["thinking"].pop("display")
+    fake.script = [finished("{}", reasoning="")]
+    assert post(fake_app, path, body).status_code == 200
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("tools", [False, True], ids=["schema", "tool call"])
 @pytest.mark.parametrize("api", APIS)
@@ -160,10 +223,11 @@ def test_token_sources_streamed_and_whole(server, api, tools):
         assert "".join(e["text"] for e in whole) == text
         json.loads(text)
     path, body, headers = body_of(api, stream=True, sources=2, tools=tools)
-    streamed, carried_text = streamed_sources(
-        api, events_of(server.http.post(path, json=body, headers=headers)))
-    # Greedy: the same tokens, each carried by one delta (where each came from may differ:
-    # the second request's proposals include the first's answer).
+    events = events_of(server.http.post(path, json=body, headers=headers))
+    streamed, carried_text = streamed_sources(api, events)
+    streamed += wire_sources(api, events)[1]
+    # Greedy: the same tokens, each carried by one delta or the closing event (where each
+    # came from may differ: the second request's proposals include the first's answer).
     def strip(es: list[dict]) -> list[dict]:
         return [{k: v for k, v in e.items() if k != "source"} for e in es]
 
@@ -272,7 +336,6 @@ def test_every_decode_path_reports_the_same_allowed_sets(engines):
             [lp.logprob for lp in got["plain"].logprobs], arm
     counts = {arm: Counter(s.source for s in f.sources) for arm, f in got.items()}
     assert set(counts["plain"]) <= {"forced", "target", "budget"}, counts
-    assert counts["plain"]["forced"] == sum(s.allowed == 1 for s in got["plain"].sources)
     assert counts["tree"]["branch"] > 0, counts
     assert "branch" not in counts["chain"], counts
     assert set(counts["chain"]) - {"forced", "target", "budget"}, counts  # proposals accepted

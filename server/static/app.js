@@ -387,18 +387,26 @@
         "data-i": String(i), "data-source": src, "aria-label": label, text: tok.text ?? "" });
     }
 
-    // Append `delta` to `box`: as token spans where the tokens spell it, else as plain text
-    // (and any tokens apart, in the markup line).
+    // Append `delta` to `box`: as token spans where the first tokens spell it (any tokens
+    // after those, such as markup closing the answer, go to the markup line), else as plain
+    // text with every token apart, in the markup line.
     put(box, delta, tokens) {
       const toks = Array.isArray(tokens) ? tokens : [];
-      if (toks.length && toks.map((t) => t.text ?? "").join("") === delta) {
-        box.append(...toks.map((t) => this.span(t)));
-        return;
+      let n = 0;
+      if (delta) {
+        let spelt = "";
+        while (n < toks.length && spelt.length < delta.length) spelt += toks[n++].text ?? "";
+        if (spelt !== delta) n = 0;
+        else while (n < toks.length && !toks[n].text) n++; // with any textless tokens after
       }
-      if (delta) box.append(el("span", { class: "plain", text: delta }));
-      if (toks.length) {
+      if (n) box.append(...toks.slice(0, n).map((t) => this.span(t)));
+      else if (delta) box.append(el("span", { class: "plain", text: delta }));
+      const rest = toks.slice(n);
+      if (rest.length && !delta && rest.every((t) => !t.text)) {
+        box.append(...rest.map((t) => this.span(t))); // tokens with no text at all: in place
+      } else if (rest.length) {
         this.markup.hidden = false;
-        this.markupToks.append(...toks.map((t) => this.span(t)));
+        this.markupToks.append(...rest.map((t) => this.span(t)));
       }
     }
 
@@ -439,28 +447,44 @@
     // Orphan tokens (a chunk with tokens and no text): shown apart.
     addTokens(tokens) { this.put(this.body, "", tokens); }
 
-    finish(tools) {
+    // The answer is over: `cut` (a reason) where it did not finish, its calls then unchecked.
+    finish(tools, cut) {
       this.node.classList.add("done");
-      for (const c of this.calls) {
-        try {
-          const args = JSON.parse(c.arguments || "{}");
-          c.argsEl.textContent = JSON.stringify(args, null, 2);
-          const tool = (tools || []).find((t) => t.name === c.name);
-          if (tool) {
-            const err = validate(tool.parameters, args);
-            c.checkEl.textContent = err ? "arguments invalid: " + err : "arguments valid";
-            c.checkEl.className = "tool-check validation " + (err ? "invalid" : "valid");
-          }
-        } catch (e) {
-          c.checkEl.textContent = "arguments are not JSON";
-          c.checkEl.className = "tool-check validation invalid";
-        }
+      if (cut) {
+        this.node.classList.add("cut");
+        this.node.append(el("div", { class: "note warn cut-note", text: "cut off: " + cut }));
       }
-      if (!this.text && !this.calls.length && !this.reasoning) this.body.textContent = "";
+      for (const c of this.calls) {
+        const verdict = (text, how) => {
+          c.checkEl.textContent = text;
+          c.checkEl.className = "tool-check validation " + how;
+        };
+        if (cut) { verdict("arguments not checked: the call was cut off", "unchecked"); continue; }
+        let args;
+        try { args = JSON.parse(c.arguments || "{}"); } catch (e) {
+          verdict("arguments are not JSON (" + e.message + ")", "invalid");
+          continue;
+        }
+        c.argsEl.textContent = JSON.stringify(args, null, 2);
+        const tool = (tools || []).find((t) => t.name === c.name);
+        if (!tool) continue;
+        const r = check(tool.parameters, args);
+        if (r.error) verdict("arguments invalid: " + r.error, "invalid");
+        else if (r.unchecked.length) verdict("arguments: " + r.unchecked.join("; "), "unchecked");
+        else verdict("arguments valid", "valid");
+      }
+      if (!this.text && !this.calls.length && !this.reasoning && !this.body.querySelector(".tok")) {
+        this.body.textContent = "";
+      }
     }
   }
 
   // -- streaming -------------------------------------------------------------------------------
+  class StreamFailure extends Error {
+    constructor(info) { super(info.message); this.info = info; }
+  }
+
+  // The stream's events, {event, data}; chat's closing `[DONE]` as {event, done: true}.
   async function* events(response) {
     const reader = response.body.getReader(), dec = new TextDecoder();
     let buf = "";
@@ -479,9 +503,12 @@
         }
         if (!data.length) continue;
         const text = data.join("\n");
-        if (text === "[DONE]") return;
+        if (text === "[DONE]") { yield { event, done: true }; return; }
         let json;
-        try { json = JSON.parse(text); } catch (e) { continue; }
+        try { json = JSON.parse(text); } catch (e) {
+          const shown = text.length > 80 ? text.slice(0, 80) + "…" : text;
+          throw new StreamFailure({ message: `the server sent an event that is not JSON (${e.message}): ${shown}` });
+        }
         yield { event, data: json };
       }
     }
@@ -493,14 +520,20 @@
     return { message: e.message || String(e), code: e.code || e.type, param: e.param };
   }
 
-  class StreamFailure extends Error {
-    constructor(info) { super(info.message); this.info = info; }
-  }
-
-  // Reads one API's stream into `answer`; returns the final {finish, usage, specdec}.
+  // Reads one API's stream into `answer`; returns the final {finish, usage, specdec}, with
+  // `cut` set where the stream ended before its final event (the answer did not finish).
+  // A closing event's `token_sources` are the tokens no delta's text stood for (markup that
+  // closes a call or a think block): they join the answer's tokens, apart from its text.
   async function consume(api, response, answer, mark) {
-    const fin = { finish: null, usage: null, specdec: null, warnings: response.headers.get("warning") };
-    for await (const { event, data } of events(response)) {
+    const fin = { finish: null, usage: null, specdec: null, warnings: response.headers.get("warning"),
+                  cut: false };
+    let ended = false; // the API's final event came
+    const closing = (toks) => { if (Array.isArray(toks) && toks.length) { mark(); answer.addTokens(toks); } };
+    for await (const { event, data, done } of events(response)) {
+      if (done) { if (api === "chat") ended = true; continue; }
+      if (data === null || typeof data !== "object") {
+        throw new StreamFailure({ message: "the server sent an event that is not a JSON object: " + JSON.stringify(data) });
+      }
       if (api === "chat") {
         if (data.error) throw new StreamFailure(errorOf(data));
         for (const ch of data.choices || []) {
@@ -516,7 +549,7 @@
             used = true;
           }
           if (!used && toks && toks.length) { mark(); answer.addTokens(toks); }
-          if (ch.finish_reason) fin.finish = ch.finish_reason;
+          if (ch.finish_reason) { fin.finish = ch.finish_reason; ended = true; }
         }
         if (data.usage) fin.usage = data.usage;
         if (data.specdec) fin.specdec = data.specdec;
@@ -528,9 +561,11 @@
         else if (type === "response.reasoning_text.delta") { mark(); answer.addReasoning(data.delta, toks); }
         else if (type === "response.function_call_arguments.delta") { mark(); answer.addArgs(data.output_index, data.delta, toks); }
         else if (type === "response.completed" || type === "response.incomplete") {
-          const r = data.response;
-          fin.finish = r.status + (r.incomplete_details ? " (" + r.incomplete_details.reason + ")" : "");
+          const r = data.response || {};
+          closing(toks);
+          fin.finish = (r.status || type.slice(9)) + (r.incomplete_details ? " (" + r.incomplete_details.reason + ")" : "");
           fin.usage = r.usage; fin.specdec = r.specdec;
+          ended = true;
         } else if (type === "response.failed") {
           throw new StreamFailure(errorOf(data.response || {}));
         } else if (type === "error") {
@@ -549,13 +584,20 @@
           else if (d.type === "input_json_delta") { mark(); answer.addArgs(data.index, d.partial_json, toks); }
           else if (toks && toks.length) answer.addTokens(toks);
         } else if (type === "message_delta") {
+          closing(toks);
           fin.finish = data.delta && data.delta.stop_reason;
           fin.usage = Object.assign({}, fin.usage, data.usage);
           if (data.specdec) fin.specdec = data.specdec;
+        } else if (type === "message_stop") {
+          ended = true;
         } else if (type === "error") {
           throw new StreamFailure(errorOf(data));
         }
       }
+    }
+    if (!ended) {
+      fin.cut = true;
+      fin.finish = fin.finish ? fin.finish + " (cut off)" : "cut off";
     }
     return fin;
   }
@@ -631,12 +673,17 @@
     // the answer checked against the schema, here in the page
     const v = $("stat-validation");
     if (constraint.schema !== undefined || kind() === "json_object") {
-      let value, err = null;
+      const verdict = (text, how) => { v.textContent = text; v.className = "validation " + how; };
+      let value, err = null, unchecked = [];
       try { value = JSON.parse(answer.text); } catch (e) { err = "not JSON: " + e.message; }
-      if (!err) err = constraint.schema !== undefined ? validate(constraint.schema, value)
-        : (value && typeof value === "object" && !Array.isArray(value) ? null : "not a JSON object");
-      v.textContent = err ? "invalid: " + err : "valid";
-      v.className = "validation " + (err ? "invalid" : "valid");
+      if (fin.cut) verdict("not checked: the answer was cut off", "unchecked");
+      else {
+        if (!err && constraint.schema !== undefined) ({ error: err, unchecked } = check(constraint.schema, value));
+        else if (!err) err = value && typeof value === "object" && !Array.isArray(value) ? null : "not a JSON object";
+        if (err) verdict("invalid: " + err, "invalid");
+        else if (unchecked.length) verdict(unchecked.join("; "), "unchecked");
+        else verdict("valid", "valid");
+      }
     }
   }
 
@@ -662,26 +709,74 @@
     uuid: /^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$/,
     ipv4: /^((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)$/,
   };
+  // Keywords this page does not check: where one applies, the answer is "not checked".
+  const UNCHECKED = ["if", "contains", "dependentRequired", "dependentSchemas", "dependencies",
+    "propertyNames", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef"];
+  const REF_DEPTH = 32; // $refs followed within one another, at most
+  const REGEXES = new Map();
+  // `pattern` as a JS regex (u flag), or {error} where JS cannot read it.
+  function regex(p) {
+    if (!REGEXES.has(p)) {
+      let r;
+      try { r = { re: new RegExp(p, "u") }; } catch (e) { r = { error: e.message }; }
+      REGEXES.set(p, r);
+    }
+    return REGEXES.get(p);
+  }
+  const own = (o, k) => Object.prototype.hasOwnProperty.call(o, k);
   function resolve(root, ref) {
-    if (!ref.startsWith("#")) return undefined;
+    if (typeof ref !== "string" || !ref.startsWith("#")) return undefined;
     let node = root;
     for (const raw of ref.slice(1).split("/").filter(Boolean)) {
-      const key = decodeURIComponent(raw).replace(/~1/g, "/").replace(/~0/g, "~");
-      node = node && node[key];
+      let key;
+      try { key = decodeURIComponent(raw).replace(/~1/g, "/").replace(/~0/g, "~"); } catch (e) { return undefined; }
+      node = node !== null && typeof node === "object" && own(node, key) ? node[key] : undefined;
     }
     return node;
   }
-  // The first error of `value` against `schema`, as "path: what", or null when it is valid.
-  function validate(schema, value, path = "$", root = schema) {
+  // `value` checked against `schema`: {error} ("path: what", or null) and `unchecked`, what the
+  // page could not check ("pattern not checked in the page: ..."). Only null with nothing
+  // unchecked means valid.
+  function check(schema, value) {
+    const ctx = { notes: [], refs: [] };
+    let error = null;
+    try { error = validate(schema, value, "$", schema, ctx); } catch (e) {
+      ctx.notes.push("schema not checked in the page: " + (e && e.message || e));
+    }
+    return { error, unchecked: error ? [] : [...new Set(ctx.notes)] };
+  }
+  // The first error of `value` against `schema`, as "path: what", or null; what it could not
+  // check goes to `ctx.notes`.
+  function validate(schema, value, path, root, ctx) {
     if (schema === true || schema === undefined) return null;
     if (schema === false) return `${path}: no value is allowed here`;
     const s = JSON.stringify;
-    if (schema.$ref) {
-      const target = resolve(root, schema.$ref);
-      if (target === undefined) return null; // an outside reference: not checked here
-      const e = validate(target, value, path, root);
-      if (e) return e;
+    const note = (what) => { ctx.notes.push(what); };
+    if (schema === null || typeof schema !== "object" || Array.isArray(schema)) {
+      note(`schema not checked in the page: ${path}: ${s(schema)} is not a schema`);
+      return null;
     }
+    // A branch (anyOf, oneOf, not): its error and its own notes.
+    const branch = (sub) => {
+      const c = { notes: [], refs: ctx.refs };
+      return { error: validate(sub, value, path, root, c), notes: c.notes };
+    };
+    if (schema.$ref !== undefined) {
+      const target = resolve(root, schema.$ref);
+      if (target === undefined) {
+        note(`$ref not checked in the page: ${path}: ${s(schema.$ref)} is not a reference within the schema`);
+      } else if (ctx.refs.some(([t, v]) => t === target && v === value)) {
+        note(`$ref not checked in the page: ${path}: ${s(schema.$ref)} refers to itself`);
+      } else if (ctx.refs.length >= REF_DEPTH) {
+        note(`$ref not checked in the page: ${path}: ${s(schema.$ref)} nests more than ${REF_DEPTH} deep`);
+      } else {
+        ctx.refs.push([target, value]);
+        let e;
+        try { e = validate(target, value, path, root, ctx); } finally { ctx.refs.pop(); }
+        if (e) return e;
+      }
+    }
+    for (const k of UNCHECKED) if (schema[k] !== undefined) note(`keyword ${s(k)} not checked in the page: ${path}`);
     const t = typeOf(value);
     if (schema.type !== undefined) {
       const types = Array.isArray(schema.type) ? schema.type : [schema.type];
@@ -694,11 +789,14 @@
       if (schema.minLength !== undefined && n < schema.minLength) return `${path}: shorter than ${schema.minLength} characters`;
       if (schema.maxLength !== undefined && n > schema.maxLength) return `${path}: longer than ${schema.maxLength} characters`;
       if (schema.pattern !== undefined) {
-        let re = null;
-        try { re = new RegExp(schema.pattern, "u"); } catch (e) { /* a pattern JS cannot read */ }
-        if (re && !re.test(value)) return `${path}: ${s(value)} does not match ${schema.pattern}`;
+        const r = regex(schema.pattern);
+        if (r.error) note(`pattern not checked in the page: ${path}: ${s(schema.pattern)} (${r.error})`);
+        else if (!r.re.test(value)) return `${path}: ${s(value)} does not match ${schema.pattern}`;
       }
-      if (schema.format && FORMATS[schema.format] && !FORMATS[schema.format].test(value)) return `${path}: ${s(value)} is not a valid ${schema.format}`;
+      if (schema.format !== undefined) {
+        if (!own(FORMATS, schema.format)) note(`format not checked in the page: ${path}: ${s(schema.format)}`);
+        else if (!FORMATS[schema.format].test(value)) return `${path}: ${s(value)} is not a valid ${schema.format}`;
+      }
     }
     if (t === "number" || t === "integer") {
       if (schema.minimum !== undefined && value < schema.minimum) return `${path}: ${value} is below the minimum ${schema.minimum}`;
@@ -714,7 +812,7 @@
       const rest = Array.isArray(schema.items) ? schema.additionalItems : schema.items;
       for (let i = 0; i < value.length; i++) {
         const sub = i < prefix.length ? prefix[i] : rest;
-        const e = sub === undefined ? null : validate(sub, value[i], `${path}[${i}]`, root);
+        const e = sub === undefined ? null : validate(sub, value[i], `${path}[${i}]`, root, ctx);
         if (e) return e;
       }
       if (schema.uniqueItems) {
@@ -724,38 +822,56 @@
       }
     }
     if (t === "object") {
-      for (const r of schema.required || []) if (!(r in value)) return `${path}: missing required property ${s(r)}`;
+      for (const r of schema.required || []) if (!own(value, r)) return `${path}: missing required property ${s(r)}`;
       const keys = Object.keys(value), props = schema.properties || {};
       if (schema.minProperties !== undefined && keys.length < schema.minProperties) return `${path}: fewer than ${schema.minProperties} properties`;
       if (schema.maxProperties !== undefined && keys.length > schema.maxProperties) return `${path}: more than ${schema.maxProperties} properties`;
+      const patterns = Object.entries(schema.patternProperties || {});
       for (const k of keys) {
         const at = `${path}.${k}`;
-        if (k in props) {
-          const e = validate(props[k], value[k], at, root);
+        let matched = own(props, k);
+        if (matched) { const e = validate(props[k], value[k], at, root, ctx); if (e) return e; }
+        const unread = [];
+        for (const [p, sub] of patterns) {
+          const r = regex(p);
+          if (r.error) { unread.push(`${s(p)} (${r.error})`); continue; }
+          if (!r.re.test(k)) continue;
+          matched = true;
+          const e = validate(sub, value[k], at, root, ctx);
           if (e) return e;
+        }
+        if (unread.length) {
+          // the property may match a pattern the page cannot read: its rules are unknown here
+          note(`pattern not checked in the page: ${at}: patternProperties ${unread.join(", ")}`);
           continue;
         }
-        const pats = Object.entries(schema.patternProperties || {}).filter(([p]) => new RegExp(p, "u").test(k));
-        for (const [, sub] of pats) { const e = validate(sub, value[k], at, root); if (e) return e; }
-        if (pats.length) continue;
+        if (matched) continue;
         if (schema.additionalProperties === false) return `${path}: property ${s(k)} is not allowed`;
         if (schema.additionalProperties && typeof schema.additionalProperties === "object") {
-          const e = validate(schema.additionalProperties, value[k], at, root);
+          const e = validate(schema.additionalProperties, value[k], at, root, ctx);
           if (e) return e;
         }
       }
     }
-    if (schema.allOf) for (const sub of schema.allOf) { const e = validate(sub, value, path, root); if (e) return e; }
+    if (schema.allOf) for (const sub of schema.allOf) { const e = validate(sub, value, path, root, ctx); if (e) return e; }
     if (schema.anyOf) {
-      const errs = schema.anyOf.map((sub) => validate(sub, value, path, root));
-      if (!errs.some((e) => e === null)) return `${path}: matches none of anyOf (${errs[0]})`;
+      const rs = schema.anyOf.map(branch), ok = rs.filter((r) => !r.error);
+      if (!ok.length) return `${path}: matches none of anyOf (${rs[0] ? rs[0].error : "an empty list"})`;
+      if (!ok.some((r) => !r.notes.length)) for (const r of ok) ctx.notes.push(...r.notes);
     }
     if (schema.oneOf) {
-      const errs = schema.oneOf.map((sub) => validate(sub, value, path, root));
-      const ok = errs.filter((e) => e === null).length;
-      if (ok !== 1) return ok ? `${path}: matches ${ok} of oneOf, not exactly one` : `${path}: matches none of oneOf (${errs[0]})`;
+      const rs = schema.oneOf.map(branch), ok = rs.filter((r) => !r.error);
+      const sure = ok.filter((r) => !r.notes.length).length;
+      if (!ok.length) return `${path}: matches none of oneOf (${rs[0] ? rs[0].error : "an empty list"})`;
+      if (sure > 1) return `${path}: matches ${sure} of oneOf, not exactly one`;
+      for (const r of ok) ctx.notes.push(...r.notes);
+      if (ok.length > 1) note(`keyword "oneOf" not checked in the page: ${path}: ${ok.length} branches may match`);
     }
-    if (schema.not && validate(schema.not, value, path, root) === null) return `${path}: matches a schema under "not"`;
+    if (schema.not !== undefined) {
+      const r = branch(schema.not);
+      if (!r.error && !r.notes.length) return `${path}: matches a schema under "not"`;
+      if (!r.error) { ctx.notes.push(...r.notes); note(`keyword "not" not checked in the page: ${path}`); }
+    }
     return null;
   }
 
@@ -794,11 +910,13 @@
     const controller = new AbortController();
     state.running = controller;
     setRunning(true);
-    let answer = null;
+    const conversation = state.conversation; // "New conversation" replaces it
+    let answer = null, stored = false;
     const t = { start: performance.now(), first: 0, end: 0 };
     const mark = () => { if (!t.first) t.first = performance.now(); };
     const undo = () => {
-      state.conversation.pop();
+      if (state.conversation !== conversation) return;
+      conversation.pop();
       turnNode.remove();
       if (answer) answer.node.remove();
       $("user").value = text;
@@ -842,34 +960,66 @@
         authProblem(false);
         $("error").classList.remove("auth-error");
         answer = new Answer();
-        let fin;
+        // fin.cut: why the answer did not finish (it is kept, marked cut off, without its calls)
+        let fin, failure = "";
         try {
           fin = await consume(api, response, answer, mark);
+          if (fin.cut) {
+            fin.cut = "the stream ended before the answer finished";
+            failure = "The stream ended before the answer finished (no final event came): " +
+              "the answer above is cut off.";
+          }
         } catch (e) {
           if (e.name === "AbortError") {
-            answer.node.append(el("div", { class: "note", text: "stopped" }));
-            fin = { finish: "stopped by you" };
+            fin = { finish: "stopped by you", cut: "stopped by you" };
           } else {
             const info = e.info || { message: e.message };
-            showError("The stream failed: " + info.message + (info.code ? ` (${info.code})` : ""));
-            fin = { finish: "error" };
+            failure = "The stream failed: " + info.message + (info.code ? ` (${info.code})` : "");
+            fin = { finish: "error", cut: "the stream failed" };
           }
         }
+        if (state.conversation !== conversation) return; // a new conversation began meanwhile
         t.end = performance.now();
-        answer.finish(constraint.tools);
-        state.conversation.push({ role: "assistant", text: answer.text, reasoning: answer.reasoning,
-          calls: answer.calls.map((c) => ({ id: c.id, name: c.name, arguments: c.arguments })) });
-        state.pendingCalls = answer.calls.length ? answer.calls.map((c) => ({ id: c.id, name: c.name })) : null;
+        answer.finish(constraint.tools, fin.cut);
+        const calls = fin.cut ? [] : answer.calls.map((c) => ({ id: c.id, name: c.name, arguments: c.arguments }));
+        conversation.push({ role: "assistant", text: answer.text, reasoning: answer.reasoning, calls,
+                            ...(fin.cut ? { cut: fin.cut } : {}) });
+        stored = true;
+        state.pendingCalls = calls.length ? calls.map((c) => ({ id: c.id, name: c.name })) : null;
         updateUserLabel();
         showStats(api, answer, fin, t, constraint);
-        announce(`Answer finished (${fin.finish || "done"}): ${answer.tokens.length || "no"} tokens` +
+        if (failure) showError(failure);
+        announce((fin.cut ? `Answer cut off (${fin.cut})` : `Answer finished (${fin.finish || "done"})`) +
+          `: ${answer.tokens.length || "no"} tokens` +
           (answer.calls.length ? `, ${answer.calls.length} tool call(s)` : "") + ".");
         return;
       }
+    } catch (e) {
+      // a fault in the page itself: the turn is undone, or its answer kept as cut off
+      if (!answer) undo();
+      else if (!stored && state.conversation === conversation) {
+        answer.node.classList.add("done", "cut");
+        conversation.push({ role: "assistant", text: answer.text, reasoning: answer.reasoning, calls: [],
+                            cut: "the page failed" });
+        state.pendingCalls = null;
+        updateUserLabel();
+      }
+      showError("The page failed: " + describe(e));
     } finally {
       state.running = null;
       setRunning(false);
     }
+  }
+
+  const describe = (e) => (e && e.message) || String(e);
+
+  // send(), with any error it throws shown in the page (not only in the console).
+  function sendShown() {
+    send().catch((e) => {
+      state.running = null;
+      setRunning(false);
+      showError("The page failed: " + describe(e));
+    });
   }
 
   function newConversation() {
@@ -1015,20 +1165,45 @@
     }
   }
 
+  // The model picker from /v1/models; where that fails, a note says so and the picker keeps
+  // what it has ("default" at first).
   async function loadModels() {
+    const note = $("model-note"), sel = $("model");
+    const problem = (what) => {
+      if (!sel.options.length) sel.append(el("option", { value: "default", text: "default" }));
+      note.textContent = `${what}: sending to “${sel.value || "default"}”.`;
+    };
+    let r;
     try {
-      const r = await fetch("/v1/models", { headers: authHeaders("openai"), cache: "no-store" });
-      if (r.status === 401) { authProblem(true); return; }
-      if (!r.ok) return;
-      authProblem(false);
-      const list = (await r.json()).data || [];
-      const sel = $("model"), was = sel.value;
-      if (!list.length) return;
-      sel.replaceChildren(...list.map((m) => el("option", { value: m.id,
-        text: m.id + (m.loaded === false ? " (not loaded)" : "") })));
-      if (list.some((m) => m.id === was)) sel.value = was;
-      checkConstraint();
-    } catch (e) { /* the server is unreachable: the picker keeps "default" */ }
+      r = await fetch("/v1/models", { headers: authHeaders("openai"), cache: "no-store" });
+    } catch (e) {
+      problem("Could not reach the server for the model list (" + describe(e) + ")");
+      return;
+    }
+    if (r.status === 401) { authProblem(true); note.textContent = ""; return; }
+    if (!r.ok) {
+      let info;
+      try { info = errorOf(await r.json()); } catch (e) { info = { message: r.statusText }; }
+      problem(`The model list failed (${r.status}${info.message ? ": " + info.message : ""})`);
+      return;
+    }
+    authProblem(false);
+    let list;
+    try {
+      list = (await r.json()).data;
+      if (!Array.isArray(list)) throw new Error("no list of models");
+    } catch (e) {
+      problem("The model list is unreadable (" + describe(e) + ")");
+      return;
+    }
+    note.textContent = "";
+    const ids = list.filter((m) => m && typeof m.id === "string");
+    if (!ids.length) return;
+    const was = sel.value;
+    sel.replaceChildren(...ids.map((m) => el("option", { value: m.id,
+      text: m.id + (m.loaded === false ? " (not loaded)" : "") })));
+    if (ids.some((m) => m.id === was)) sel.value = was;
+    checkConstraint();
   }
 
   // -- wiring ----------------------------------------------------------------------------------
@@ -1064,12 +1239,12 @@
       for (const id of ["k", "lookup", "masking", "tree"]) $(id).disabled = !$("spec").checked;
     });
     const form = $("request-form");
-    form.addEventListener("submit", (e) => { e.preventDefault(); send(); });
+    form.addEventListener("submit", (e) => { e.preventDefault(); sendShown(); });
     form.addEventListener("keydown", (e) => {
       if (e.key !== "Enter" || e.isComposing) return;
       if (e.ctrlKey || e.metaKey || (e.target.id === "user" && !e.shiftKey)) {
         e.preventDefault();
-        send();
+        sendShown();
       }
     });
     $("stop").addEventListener("click", () => state.running && state.running.abort());
