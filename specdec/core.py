@@ -83,6 +83,22 @@ class Models:
     trees: TreeCosts | None = None
 
 
+@dataclass
+class Reported:
+    """What a request reports beside each token the last round emitted (the caller drains
+    it with `new_tokens`): its logprob, where the request asks for them
+    (`DecodeState.logprobs`), and its source and allowed-set size (`events.TokenSource`),
+    where it asks for those (`sources` None: not asked)."""
+
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    sources: list[TokenSource] | None = None
+
+    def next_round(self) -> None:
+        self.logprobs = []
+        if self.sources is not None:
+            self.sources = []
+
+
 @dataclass(eq=False)
 class DecodeState:
     """One request in flight: everything a round needs, nothing in generator locals.
@@ -92,7 +108,8 @@ class DecodeState:
 
     Attributes:
         seq: prompt + emitted tokens; emitted: how many were emitted.
-        new_tokens: what the last round emitted (the caller drains it).
+        new_tokens: what the last round emitted (the caller drains it); reported: what
+            it reports beside each of them (logprobs, sources).
         finish: set when the request is done ("stop" or "length"); error: the
             grammar error that ended it (nothing past it is emitted).
         grammar: its grammar's state, budget rule and next mask, filling off the round
@@ -118,9 +135,7 @@ class DecodeState:
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
     logprobs: int | None = None  # None: off; n: the chosen token's logprob and the top n
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token
-    sources: bool = False  # each token's source and allowed-set size (`events.TokenSource`)
-    new_sources: list[TokenSource] = field(default_factory=list)  # one per new token
+    reported: Reported = field(default_factory=Reported)
     finish: DecodeFinish | None = None
     error: SpecdecError | None = None
 
@@ -185,7 +200,7 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     # (token sources carry their tokens' logprobs and top alternatives too)
     sources = getattr(req, "token_sources", None)
     s.logprobs = req.logprobs if sources is None else max(req.logprobs or 0, sources)
-    s.sources = sources is not None
+    s.reported.sources = [] if sources is not None else None
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
     if req.prefill_only:
         s.max_tokens = 0  # a history prefill: it generates nothing (`prefill_arrivals`)
@@ -408,8 +423,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
     `models.trees`; the scheduler passes it, so a sharded target's ranks use rank 0's)."""
     for s in states:
         s.new_tokens = []  # what this round emits (nothing for a finished request)
-        s.new_logprobs = []
-        s.new_sources = []
+        s.reported.next_round()
     live = [s for s in states if s.ready]
     # 0. Each request's mask at its current state, filled between rounds (`MaskBudget`).
     rows: dict[int, np.ndarray] = {}
@@ -486,7 +500,7 @@ def run_round(models: Models, states: Sequence[DecodeState],
             x = x + s.bias
         if masks[i] is not None:
             x = apply_mask(x, unpack_bitmask(mx.array(masks[i]), models.vocab_size))
-            if s.sources:
+            if s.reported.sources is not None:
                 allowed[i] = allowed_counts(masks[i], models.vocab_size)
         noise = None
         if not s.params.greedy:  # each row's noise is its output position's
@@ -748,7 +762,7 @@ def _accept(s: DecodeState, p: Proposals, v: Verdict, masks: MaskBudget = MaskBu
     s.stats.accepted += accepted
     n_chain = len(props) if p.parents is None else p.chain
     sources = None
-    if s.sources:  # (`events.SOURCES`)
+    if s.reported.sources is not None:  # (`events.SOURCES`)
         picked = ["branch" if j >= n_chain else p.sources[j].value for j in path]
         picked.append("budget" if steered else "target")
         allowed = [None if v.allowed is None else v.allowed[r] for r in rows]
@@ -822,10 +836,11 @@ def _emit(s: DecodeState, out: list[TokenId], rows: list[int],
                 (int(a), float(b)) for a, b in zip(lps[1][j].tolist(), lps[2][j].tolist())
                 if b != -np.inf)
             lp = (steered or {}).get(n_emit)
-            s.new_logprobs.append(TokenLogprob(t, float(lps[0][j].item()) if lp is None
+            s.reported.logprobs.append(TokenLogprob(t, float(lps[0][j].item()) if lp is None
                                                else lp, top))
         if sources is not None:
-            s.new_sources.append(sources[n_emit])
+            assert s.reported.sources is not None
+            s.reported.sources.append(sources[n_emit])
         n_emit += 1
         s.emitted += 1
         if s.grammar is not None and s.grammar.stopped():

@@ -222,6 +222,18 @@ def heap_in_use() -> int | None:
     return None if _HEAP is None else _HEAP()
 
 
+def _heap_but_arrays() -> int | None:
+    """The C heap in use less MLX's arrays and its buffer cache: what a grammar's compile
+    or closing walk adds, without what the scheduler's thread allocates and frees for
+    decoding meanwhile (None: not measurable here)."""
+    heap = heap_in_use()
+    if heap is None:
+        return None
+    import mlx.core as mx
+
+    return heap - mx.get_active_memory() - mx.get_cache_memory()
+
+
 def grammar_bytes_estimate(text: str) -> int:
     """A grammar's memory where the heap cannot be measured: what compiles of the
     adversarial corpus and the schema corpus measured, at most (~0.1 MB plus ~55 bytes per
@@ -430,16 +442,44 @@ class GrammarCompiler:
                 if key in grammar._needs:
                     return grammar._needs[key]
         why: list[str] = []
+        order = self.closing_order(vocab_size)
+        with self._lock:
+            self._measuring += 1
+        before = _heap_but_arrays()
         try:
             with spending(Spend(deadline=time.perf_counter() + MINIMUM_S)):
-                n = need(matcher, self.closing_order(vocab_size), hints=hints, why=why)
+                n = need(matcher, order, hints=hints, why=why)
         except Overspent:  # (the clock's answer: not kept, a later request tries again)
             return None, f"finding the closing took over {MINIMUM_S:g}s"
+        finally:
+            after = _heap_but_arrays()
+            with self._lock:
+                self._measuring -= 1
+                # The walk grows the grammar's lexer (its states are built as they are
+                # reached): counted in its bytes, and in the cache's where it is held.
+                if before is not None and after is not None and after > before:
+                    self._grow(grammar, after - before)
         got = (n, "; ".join(why) or "no closing found")
         if plain:
             with self._lock:
                 grammar._needs[key] = got
         return got
+
+    def _grow(self, grammar: "CompiledGrammar", nbytes: int) -> None:
+        """Count `nbytes` more in `grammar`'s bytes, and in the cache's where it holds it
+        (evicting the oldest past its size); the caller holds `_lock`."""
+        object.__setattr__(grammar, "nbytes", grammar.nbytes + nbytes)
+        if self._cache.get(grammar.text) is not grammar:
+            return
+        self._held += nbytes
+        while self._held > self.cache_bytes and len(self._cache) > 1:
+            _, gone = self._cache.popitem(last=False)
+            if gone is grammar:  # (the newest stays: it is in use now)
+                self._cache[grammar.text] = grammar
+                continue
+            self._held -= gone.nbytes
+            self._gone.append(gone)
+            self.evictions += 1
 
     @staticmethod
     def for_hf_tokenizer(hf_tokenizer: Any, n_vocab: int, eos_token_ids: list[int],
@@ -510,7 +550,7 @@ class GrammarCompiler:
     def _compile(self, c: Constraint, text: str) -> CompiledGrammar:
         """Compile `text` (of constraint `c`), measuring the heap it adds."""
         limits = llguidance.LLParserLimits(**self.limits)
-        before = heap_in_use()
+        before = _heap_but_arrays()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer,
                                                                       limits=limits)
         if is_error:
@@ -527,7 +567,7 @@ class GrammarCompiler:
             raise GrammarError(c.kind, "the constraint matches no text: no token, not even the "
                                        "end of output, is allowed at the start")
         del probe  # (its own parser state is not the grammar's)
-        after = heap_in_use()
+        after = _heap_but_arrays()
         # Other threads allocate and free meanwhile: what they free can hide this grammar's
         # bytes (hence the floor), what they allocate is counted here (a cache that holds a
         # little less than it could).

@@ -491,10 +491,11 @@ class Scheduler:
             s = t.state
             assert s is not None
             if s.new_tokens and t not in gone:
+                lps, srcs = s.reported.logprobs, s.reported.sources or ()
                 for j, tok in enumerate(s.new_tokens):
-                    if t.output.feed(tok, s.new_logprobs[j] if j < len(s.new_logprobs)
-                                     else None, s.new_sources[j] if j < len(s.new_sources)
-                                     else None):  # a stop string ended the output
+                    if t.output.feed(tok, lps[j] if j < len(lps) else None,
+                                     srcs[j] if j < len(srcs) else None
+                                     ):  # a stop string ended the output
                         s.finish = "stop"
                         break
             if s.error is not None:

@@ -150,7 +150,7 @@ def test_a_sharded_targets_replicas_branch_at_rank_0s_price_not_their_own():
             self.tokens: list[int] = []
             self.stats = None
 
-        def feed(self, tok: int, _lp: object) -> bool:
+        def feed(self, tok: int, _lp: object, _src: object = None) -> bool:
             self.tokens.append(tok)
             return False
 
