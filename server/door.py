@@ -762,17 +762,22 @@ def token_sources(run: Run, tokens: Sequence[TokenId], sources: Sequence[TokenSo
     if n is None:
         return None
     tokenizer = run.engine.target.tokenizer
+    compiler = getattr(run.engine, "compiler", None)  # (a stand-in engine has none)
+    raw = compiler.tokenizer.decode_bytes if compiler is not None else None
 
-    def text(t: int) -> str:
-        return str(tokenizer.decode([t], skip_special_tokens=False))
+    def token(t: int) -> dict[str, Any]:
+        """A token's id, text and bytes (a byte-fallback token's text is U+FFFD, its
+        bytes are the byte it stands for)."""
+        text = str(tokenizer.decode([t], skip_special_tokens=False))
+        return {"id": t, "text": text,
+                "bytes": list(raw([t]) if raw is not None else text.encode())}
 
     out = []
     for i, t in enumerate(tokens):
         src = sources[i] if i < len(sources) else None
         lp = logprobs[i] if i < len(logprobs) else None
-        out.append({"id": t, "text": text(t), "source": src.source if src else None,
+        out.append({**token(t), "source": src.source if src else None,
                     "allowed": src.allowed if src else None,
                     "logprob": lp.logprob if lp else None,
-                    "top": [{"id": a, "text": text(a), "logprob": b}
-                            for a, b in lp.top[:n]] if lp else []})
+                    "top": [{**token(a), "logprob": b} for a, b in lp.top[:n]] if lp else []})
     return out

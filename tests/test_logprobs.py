@@ -173,7 +173,9 @@ def test_served_logprobs_equal_the_oracles(server, embedded, name, arm):
 
     assert (sources is not None) == ("token_sources" in cell.fields)
     if sources is not None:
-        _check_sources(sources, served, oracle, text, constrained="response_format" in body
+        _check_sources(sources, served, oracle, text,
+                       lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+                       constrained="response_format" in body
                        or "structured_outputs" in body, speculative=arm == "speculative")
         assert sum(e["source"] == "budget" for e in sources) == ext["budget_steered"]
         if name.endswith("budget steered"):
@@ -193,12 +195,14 @@ def test_served_logprobs_equal_the_oracles(server, embedded, name, arm):
 
 
 def _check_sources(sources: list[dict], served: list[ServedLogprob], oracle: OracleResult,
-                   text: Any, constrained: bool, speculative: bool) -> None:
+                   text: Any, whole: Any, constrained: bool, speculative: bool) -> None:
     """A response's token sources against the oracle's decode (see the module docstring)
     and the response's own logprobs (checked against the oracle's by the caller)."""
     try:
         assert [e["id"] for e in sources] == list(oracle.tokens)
         assert [e["text"] for e in sources] == [text(t) for t in oracle.tokens]
+        assert b"".join(bytes(e["bytes"]) for e in sources).decode("utf-8", "replace") == \
+            whole(list(oracle.tokens))
         for e, step, lp in zip(sources, oracle.steps, served):
             assert e["allowed"] == (step.allowed if constrained else None), (e, step)
             assert (e["source"] == "budget") == step.steered, (e, step)

@@ -135,7 +135,8 @@ def check_entries(entries: list[dict], n: int) -> None:
     """Each entry's shape and what its values can be."""
     assert entries
     for e in entries:
-        assert set(e) == {"id", "text", "source", "allowed", "logprob", "top"}, e
+        assert set(e) == {"id", "text", "bytes", "source", "allowed", "logprob", "top"}, e
+        assert all(set(t) == {"id", "text", "bytes", "logprob"} for t in e["top"]), e
         assert e["source"] in SOURCES, e
         assert isinstance(e["allowed"], int) and e["allowed"] >= 1, e  # (all constrained)
         assert e["logprob"] <= 1e-6, e
@@ -179,9 +180,10 @@ def test_the_closing_event_carries_the_tokens_no_delta_did(fake, fake_app, api):
     fake.script = [TextDelta("<5>", (5,), lps[:1], srcs[:1]),
                    TextDelta("<9>", (9,), lps[1:2], srcs[1:2]),
                    finished("<5><9>", tokens=(5, 9, 11), logprobs=lps, sources=srcs)]
-    want = [{"id": t, "text": f"<{t}>", "source": s.source, "allowed": s.allowed,
-             "logprob": lp.logprob, "top": [{"id": a, "text": f"<{a}>", "logprob": b}
-                                            for a, b in lp.top[:1]]}
+    want = [{"id": t, "text": f"<{t}>", "bytes": list(f"<{t}>".encode()),
+             "source": s.source, "allowed": s.allowed, "logprob": lp.logprob,
+             "top": [{"id": a, "text": f"<{a}>", "bytes": list(f"<{a}>".encode()),
+                      "logprob": b} for a, b in lp.top[:1]]}
             for t, s, lp in zip((5, 9, 11), srcs, lps)]
     path, body, _ = body_of(api, stream=True, sources=1)
     deltas, closing = wire_sources(api, events_of(post(fake_app, path, body)))
@@ -219,7 +221,10 @@ def test_token_sources_streamed_and_whole(server, api, tools):
     whole = whole_sources(api, r.json())
     check_entries(whole, 2)
     text = answer_text(api, r.json())
-    if not tools:  # the answer is the tokens' text (ASCII JSON: no token splits a character)
+    # The tokens' bytes, joined, are the answer's UTF-8 (their text too, where no token
+    # splits a character, as in this ASCII JSON).
+    if not tools:
+        assert b"".join(bytes(e["bytes"]) for e in whole).decode() == text
         assert "".join(e["text"] for e in whole) == text
         json.loads(text)
     path, body, headers = body_of(api, stream=True, sources=2, tools=tools)

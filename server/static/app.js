@@ -1049,6 +1049,8 @@
         src ? " — " + src.what : ""),
       el("div", {}, "text ", el("span", { class: "t-text", text: visible(tok.text ?? "") }),
         tok.id !== undefined ? "  id " + tok.id : ""),
+      el("div", { class: "t-bytes", text: "bytes " + (Array.isArray(tok.bytes)
+        ? (tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") || "none") : "—") }),
       el("div", { text: "logprob " + (typeof tok.logprob === "number"
         ? tok.logprob.toFixed(3) + " (p " + Math.exp(tok.logprob).toFixed(3) + ")" : "—") }),
       el("div", { text: "grammar allowed " + (tok.allowed === null || tok.allowed === undefined
@@ -1058,7 +1060,9 @@
       rows.push(el("table", {},
         el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { text: "id" }), el("th", { text: "logprob" }))),
         el("tbody", {}, ...tok.top.map((a) => el("tr", {},
-          el("td", { class: "mono", text: visible(a.text ?? "") }), el("td", { text: String(a.id ?? "") }),
+          el("td", { class: "mono", text: visible(a.text ?? ""),
+            title: Array.isArray(a.bytes) ? "bytes " + a.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") : "" }),
+          el("td", { text: String(a.id ?? "") }),
           el("td", { text: typeof a.logprob === "number" ? a.logprob.toFixed(3) : "—" }))))));
     }
     tip.replaceChildren(...rows);
