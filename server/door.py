@@ -43,8 +43,8 @@ from specdec.config import LIMITS, MAX_TREE_NODES
 from specdec.engine import Engine
 from specdec.errors import (GrammarRefused, GrammarStateError, QueueFull, SamplingError,
                             SpecdecError)
-from specdec.events import (Event, Failed, Finished, GenerationStats, RequestStream, TokenLogprob,
-                            TokenSource)
+from specdec.events import (Event, Failed, Finished, GenerationStats, RequestStream,
+                            TokenLogprob, TokenSource)
 from specdec.prepare import Request
 from specdec.types import TokenId
 from specdec.prompt_bound import PromptBound
@@ -199,8 +199,9 @@ class ServeConfig:
 
     Attributes:
         host, port: where to listen. api_key: required of clients when set (Bearer or
-            `x-api-key`). ui: the playground page at `/` (`server/static`). max_batch, max_queue, request_timeout_s: the scheduler's
-            (`Engine.start`). max_body_bytes, max_json_depth: a body's limits.
+            `x-api-key`). ui: the playground page at `/` (`server/static`). max_batch,
+            max_queue, request_timeout_s: the scheduler's (`Engine.start`). max_body_bytes,
+            max_json_depth: a body's limits.
     """
 
     host: str = "127.0.0.1"

@@ -496,7 +496,8 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
     store = args.store or str(cache_dir() / "responses.sqlite3")
     bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20)
     return replace(ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
-                               ui=getattr(args, "ui", True), channel=channel, store=store, store_bounds=bounds),
+                               ui=getattr(args, "ui", True), channel=channel, store=store,
+                               store_bounds=bounds),
                    **{k: v or None if k == "request_timeout_s" else v
                       for k, v in given.items() if v is not None})
 

@@ -117,7 +117,8 @@ def test_loads_clean_and_asks_for_the_key(tab, artifacts):
     # The key field: masked, but no password field (so no password manager offers to keep it).
     assert page.get_attribute("#api-key", "type") == "text"
     assert page.locator("input[type=password], input[autocomplete=username]").count() == 0
-    assert page.eval_on_selector("#api-key", "e => getComputedStyle(e).webkitTextSecurity") == "disc"
+    assert page.eval_on_selector("#api-key",
+                                 "e => getComputedStyle(e).webkitTextSecurity") == "disc"
     page.wait_for_selector("#auth-banner:not([hidden])")
     page.fill("#user", "hi")
     page.click("#send")
