@@ -84,9 +84,16 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:  # this checkout's server against a commit's (bench/compare.py)
+        from bench import compare
+
+        return compare.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
     rp = sub.add_parser("report", help="run the suites and print the figures")
+    sub.add_parser("compare", help="this checkout's server against REV's, side by side "
+                   "(python -m bench compare --help)")
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer rounds (under 10 minutes)")
     size.add_argument("--smoke", action="store_true",

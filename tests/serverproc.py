@@ -28,10 +28,12 @@ class Server:
     Args:
         env: variables to set for the server (e.g. SPECDEC_BLAS=reference).
         launcher: the command before `serve` (default: `python -m specdec`).
+        cwd: the server's working directory (default: this process's).
     """
 
     def __init__(self, *args: str, env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> None:
+                 launcher: list[str] | None = None, cwd: str | os.PathLike | None = None
+                 ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = env or {}
@@ -44,7 +46,7 @@ class Server:
         self._log = tempfile.NamedTemporaryFile("w+", prefix="specdec-serve-", suffix=".log")
         self.proc = subprocess.Popen(
             [*launcher, "serve", "--port", str(self.port), *args],
-            env=env, stdout=subprocess.DEVNULL, stderr=self._log, text=True)
+            env=env, stdout=subprocess.DEVNULL, stderr=self._log, text=True, cwd=cwd)
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
