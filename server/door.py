@@ -557,7 +557,8 @@ class Run:
         (`Engine.keep_history`), in the background where a preparing worker is idle: the
         answer as every API gives it back (its text, reasoning and calls)."""
         keep = getattr(self.engine, "keep_history", None)  # (a stand-in engine: none)
-        if keep is None or self.greq is None or not self.greq.messages:
+        if keep is None or self.greq is None or not self.greq.messages or \
+                not getattr(self.request, "keep", True):  # no next turn likely
             return
         answer = Message("assistant", ev.text, ev.reasoning, ev.tool_calls)
         self.door.prepares.spare(keep, self.greq, answer, self.request)

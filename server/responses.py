@@ -453,7 +453,9 @@ def router(door: Door) -> APIRouter:
     def request(body: ResponsesRequest) -> GenerateRequest:
         body.turn = Turn.read(body, door.store)
         resolved = body.turn.prior or any(it.type == "item_reference" for it in body.input)
-        return to_request(body.turn.body(body) if resolved else body)
+        greq = to_request(body.turn.body(body) if resolved else body)
+        # A stored turn is one a next turn continues by id: its answer is kept for it.
+        return replace(greq, continues=True) if body.turn.stored else greq
 
     def fold(body: ResponsesRequest, run: Run) -> Writer:
         return Writer.of(body, run, body.turn, door.store)

@@ -70,6 +70,10 @@ class Request:
             there, generating nothing.
         supersedes: a history prefill's: the stored states it replaces once its own is
             stored (the finished answer's, `core.keep_answer`): ("target" or "draft", key).
+        keep: keep its prompt and answer in the prompt store when it finishes
+            (`core.keep_answer`) for a next turn; a request prepared from a
+            `GenerateRequest` keeps them only where a next turn is likely
+            (`GenerateRequest.next_turn_likely`), one prepared from token ids always.
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -91,6 +95,7 @@ class Request:
     prefill_only: bool = False
     supersedes: tuple[tuple[str, tuple[TokenId, ...]], ...] = field(default=(), repr=False,
                                                                     compare=False)
+    keep: bool = field(default=True, compare=False)
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -271,7 +276,7 @@ class Preparer:
                                 thinking=thinking,
                                 close_at_budget=r.close_at_budget,
                                 closing_hints=self._closing_hints(fmt) if tools else ())
-        return dataclasses.replace(req, tools=tools, calls=calls)
+        return dataclasses.replace(req, tools=tools, calls=calls, keep=r.next_turn_likely)
 
     def history_ids(self, r: GenerateRequest, answer: Message) -> list[TokenId] | None:
         """The prompt ids a conversation's next request starts with once `answer` (this

@@ -196,6 +196,10 @@ class GenerateRequest:
         close_at_budget: a constrained answer closes in time for `max_tokens` (`budget`:
             near the end it is steered to complete its document); False: it is cut where
             the budget ends, as plain truncation.
+        continues: whether a next turn of this conversation is likely, so that its answer
+            is kept in the prompt store and its history prefilled for that turn
+            (`Request.keep`). None: decided from the request itself: tools in it, or an
+            earlier turn in its messages (a one-shot request pays for no next turn).
     """
 
     messages: tuple[Message, ...] = ()
@@ -215,6 +219,16 @@ class GenerateRequest:
     spec: SpecOverrides = "default"
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     close_at_budget: bool = True
+    continues: bool | None = None
+
+    @property
+    def next_turn_likely(self) -> bool:
+        """`continues`, else: chat messages with tools, or with an earlier turn (an
+        assistant's answer or a tool's result) in them."""
+        if self.continues is not None:
+            return self.continues
+        return self.prompt is None and (bool(self.tools) or any(
+            m.role in ("assistant", "tool") for m in self.messages))
 
 
 def kv_positions(prompt_tokens: int, max_tokens: int) -> int:

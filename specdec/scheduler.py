@@ -448,10 +448,11 @@ class Scheduler:
                 except Exception as e:
                     self._finish(t, error=e if isinstance(e, SpecdecError) else InternalError(
                         f"the request could not start: {e}"))
-        # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward.
-        arriving = sorted((t for t in self._active if t.state is not None
-                           and t.state.to_prefill),
-                          key=lambda t: _background(t))  # requests' prefill first
+        # Arrivals' prefill advances by at most one chunk (in all) per round, in one forward;
+        # a history prefill (background work) only in a round where no request's does.
+        arriving = [t for t in self._active if t.state is not None and t.state.to_prefill]
+        if any(not _background(t) for t in arriving):
+            arriving = [t for t in arriving if not _background(t)]
         if arriving:
             try:
                 prefill_arrivals(self.models, [t.state for t in arriving], self.chunk,
@@ -512,7 +513,8 @@ class Scheduler:
             if error is None and s.suffixes is not None:  # it proposes for later answers
                 store, key = s.suffixes
                 store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
-            if error is None and self.kv_store is not None and not _background(t):
+            if (error is None and self.kv_store is not None and not _background(t)
+                    and getattr(t.request, "keep", True)):
                 kept = keep_answer(self.models, s, self.kv_store)  # the next turn's prefix
                 if kept:
                     with self._cv:  # (read by `kept_for` on other threads)
