@@ -92,8 +92,9 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class MaskBudget:
-    """What one request's grammar may cost in host time (llguidance mask fills), so that no
-    grammar holds the requests decoded next to it.
+    """What one request's grammar may cost in host time (llguidance mask fills and all the
+    grammar work around them: `request_grammar.GrammarClock`), so that no grammar holds the
+    requests decoded next to it.
 
     A request's next mask is filled between rounds, off the round; a round waits for it at
     most `slow_s` (in all, for every request) and goes on without the requests whose mask is
@@ -104,7 +105,7 @@ class MaskBudget:
     Attributes:
         slow_s: the longest fill a round waits for (and the threshold for plain decoding).
         mask_s: one fill longer than this stops the request (`GrammarTooComplex`).
-        total_s: the request's fills in all longer than this stop it too.
+        total_s: the request's grammar work in all longer than this stops it too.
     """
 
     slow_s: float = 0.05

@@ -47,7 +47,7 @@ from .errors import (GrammarRefused, GrammarStateError, GrammarTooComplex, Inter
 from .config import MaskBudget
 from .events import TokenLogprob, TokenSource
 from .prepare import Request
-from .request_grammar import RequestGrammar
+from .request_grammar import GrammarClock, RequestGrammar
 from .types import DecodeFinish, GrammarState, TokenId
 from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Evaluate, Forward, Proposals,
                           Proposer, RequestView, RoundBounds, SpecConfig, SpecStats, TreeCosts,
@@ -150,9 +150,11 @@ class DecodeState:
             self.grammar.drop_next_mask()
 
     def ask_next_mask(self, vocab_size: int) -> None:
-        """Start filling the mask at the grammar's current state, off the round."""
+        """Start filling the mask at the grammar's current state, off the round (copying
+        the state counts in the grammar budget; the fill counts when it is taken)."""
         if self.grammar is not None and not self.done:
-            self.grammar.ask_next_mask(vocab_size, self.emitted)
+            with GrammarClock(self.stats):
+                self.grammar.ask_next_mask(vocab_size, self.emitted)
 
     @property
     def ready(self) -> bool:
@@ -398,8 +400,9 @@ def mask_decisions(budget: MaskBudget, states: Sequence[DecodeState]) -> MaskVer
             over.append((s, GrammarTooComplex(f"one mask took {worst:.2f}s (at most "
                                               f"{budget.mask_s:g}s)", position=s.emitted)))
         elif total > budget.total_s:
-            over.append((s, GrammarTooComplex(f"its masks took {total:.1f}s in all (at most "
-                                              f"{budget.total_s:g}s)", position=s.emitted)))
+            over.append((s, GrammarTooComplex(f"its grammar work took {total:.1f}s in all (at "
+                                              f"most {budget.total_s:g}s)",
+                                              position=s.emitted)))
         elif worst > budget.slow_s and s.grammar is not None and not s.grammar.slow:
             plain.append(s)
     return MaskVerdicts(tuple(idle), tuple(plain), tuple(over))
@@ -467,15 +470,17 @@ def run_round(models: Models, states: Sequence[DecodeState],
         if s.grammar is None:
             continue
         try:
-            if trees[i] is not None:
-                bitmask, oks[i], cuts = tree_masks(s.grammar.state, props[i], trees[i], s.eos,
-                                                   models.vocab_size, s.emitted,
-                                                   rows.get(id(s)), s.stats, in_round)
-                s.stats.grammar_cuts += cuts > 0
-                masks[i] = bitmask
-                continue
-            bitmask, n_ok = verify_masks(s.grammar.state, props[i], s.eos, models.vocab_size,
-                                         s.emitted, rows.get(id(s)), s.stats, in_round)
+            with GrammarClock(s.stats):  # (the copies' consumes count with the fills)
+                if trees[i] is not None:
+                    bitmask, oks[i], cuts = tree_masks(s.grammar.state, props[i], trees[i],
+                                                       s.eos, models.vocab_size, s.emitted,
+                                                       rows.get(id(s)), s.stats, in_round)
+                    s.stats.grammar_cuts += cuts > 0
+                    masks[i] = bitmask
+                    continue
+                bitmask, n_ok = verify_masks(s.grammar.state, props[i], s.eos,
+                                             models.vocab_size, s.emitted, rows.get(id(s)),
+                                             s.stats, in_round)
         except (GrammarStateError, GrammarRefused) as e:
             s.error = e
             continue
@@ -527,9 +532,12 @@ def run_round(models: Models, states: Sequence[DecodeState],
         s.stats.steps += 1
         if s.error is None:
             try:
-                _accept(s, proposed[i], Verdict(picks[i].tolist(), widths[i], oks[i],
-                                                lps.get(i), rows_of.get(i), allowed.get(i)),
-                        models.masks)
+                # consuming the output and the budget rule's walks: grammar work (the rule's
+                # `Spend` counts its own fills)
+                with GrammarClock(s.stats if s.grammar is not None else None):
+                    _accept(s, proposed[i], Verdict(picks[i].tolist(), widths[i], oks[i],
+                                                    lps.get(i), rows_of.get(i), allowed.get(i)),
+                            models.masks)
             except Exception as e:  # this request's fault, not the round's
                 log.exception("accepting a request's tokens failed")
                 s.error = InternalError(f"accepting the round's tokens failed: {e}")
@@ -601,8 +609,9 @@ def _propose_all(models: Models, live: Sequence[DecodeState],
         # Batched, no forced/looked-up run-on past k (`RoundBounds.run_on`).
         bounds = RoundBounds(s.max_tokens - s.emitted - 1, run_on=len(live) == 1, tree=tree,
                              min_score=min_score, row0=rows.get(id(s)), budget_s=budget_s)
-        gens[i] = Proposer(_request_view(models, s), _draft_side(models, s, with_draft),
-                           bounds).steps()
+        with GrammarClock(s.stats if s.grammar is not None else None):  # (its clone)
+            gens[i] = Proposer(_request_view(models, s), _draft_side(models, s, with_draft),
+                               bounds).steps()
     out, forwards = _lockstep(models, live, gens)
     spent = (time.perf_counter() - t0) / max(1, sum(s.spec is not None for s in live))
     for s, p in zip(live, out):
@@ -647,8 +656,9 @@ def _lockstep(models: Models, live: Sequence[DecodeState],
     forwards = 0
     while gens:
         for i in list(gens):
-            try:
-                asks[i] = gens[i].send(replies[i])
+            try:  # (a proposer's clone, draft masks and forced tokens: grammar work)
+                with GrammarClock(live[i].stats if live[i].grammar is not None else None):
+                    asks[i] = gens[i].send(replies[i])
             except StopIteration as done:
                 out[i] = done.value
                 del gens[i]

@@ -27,8 +27,10 @@ class StepTimings:
 
     Attributes:
         prefill_s: prompt forward, until its logits were ready.
-        mask_s: llguidance mask fills on the host, every one (drafting, verifying, and
-            the next position's mask filled between rounds).
+        mask_s: the request's grammar work on the host, all of it: llguidance mask fills
+            (drafting, verifying, and the next position's mask filled between rounds) and
+            the work around them (copies, look-ahead consumes, the budget rule's walks and
+            closing search, forced tokens, consuming the output: `GrammarClock`).
         mask_max_s: the slowest one fill since the scheduler last looked (`core`'s budget).
         wait_s: host blocked waiting for the device to produce the sampled token.
         steps: decode steps run.
@@ -41,7 +43,7 @@ class StepTimings:
     prefill_s: float = 0.0
     mask_s: float = 0.0
     mask_max_s: float = 0.0
-    round_mask_s: float = 0.0  # fills in the current round (its budget: `config.MaskBudget`)
+    round_mask_s: float = 0.0  # grammar work in the current round (`config.MaskBudget`)
     wait_s: float = 0.0
     steps: int = 0
     prompt_cached: int = 0

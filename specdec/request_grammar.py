@@ -88,6 +88,40 @@ def fill_row(state: GrammarState, bitmask: np.ndarray, j: int, stats: StepTiming
         stats.mask_max_s = max(stats.mask_max_s, dt)
 
 
+class GrammarClock:
+    """Counts a stretch of a request's grammar work in its grammar budget
+    (`config.MaskBudget`): around every place a round works on the request's grammar state or
+    its copies (its proposer's clone and draft masks, the verify and tree masks, the budget
+    rule's walks and closing search, forced tokens, consuming the emitted tokens, copying the
+    state for the next fill), so that no llguidance work a request causes goes uncounted.
+    The stretch's time goes to `mask_s` and `round_mask_s`, less what fills inside it counted
+    themselves (`fill_row`, a budget rule's `Spend`), so nothing counts twice.
+
+        with GrammarClock(s.stats):
+            ...
+    """
+
+    __slots__ = ("stats", "t0", "before")
+
+    def __init__(self, stats: StepTimings | None) -> None:
+        self.stats = stats
+
+    def __enter__(self) -> "GrammarClock":
+        if self.stats is not None:
+            self.before = self.stats.mask_s
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        st = self.stats
+        if st is None:
+            return
+        extra = time.perf_counter() - self.t0 - (st.mask_s - self.before)
+        if extra > 0:
+            st.mask_s += extra
+            st.round_mask_s += extra
+
+
 def single_allowed(bitmask: np.ndarray) -> int | None:
     """The one allowed token id of a packed mask row, or None when 0 or 2+ are allowed."""
     nz = np.flatnonzero(bitmask)
