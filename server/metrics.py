@@ -87,7 +87,10 @@ class Metrics:
                       "# TYPE specdec_history_prefills_total counter",
                       f"specdec_history_prefills_total {sched.history_prefills}",
                       "# TYPE specdec_history_tokens_computed_total counter",
-                      f"specdec_history_tokens_computed_total {sched.history_computed}"]
+                      f"specdec_history_tokens_computed_total {sched.history_computed}",
+                      "# TYPE specdec_history_prefills_superseded_total counter",
+                      "specdec_history_prefills_superseded_total "
+                      f"{sched.history_superseded}"]
         if collective_s is not None:  # a sharded target: rank 0's per-round broadcasts
             lines += ["# TYPE specdec_broadcast_seconds_total counter",
                       f"specdec_broadcast_seconds_total {collective_s:g}"]

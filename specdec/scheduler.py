@@ -35,6 +35,11 @@ from .speculative import TREE_MIN_SCORE
 
 log = logging.getLogger("specdec.scheduler")
 KEPT_LIMIT = 1024  # finished requests' kept states remembered for their history prefill
+# A history prefill (background work) starts only once the engine has had no request for this
+# long: an agent that sends its next turn sooner (its tool ran at once) has that turn compute
+# the history's few tokens with its own, rather than wait behind a forward of their own; one
+# that takes longer (a slow tool, a person typing) finds the history computed.
+HISTORY_GRACE_S = 0.25
 
 
 def _background(t: "Ticket") -> bool:
@@ -112,6 +117,8 @@ class SchedulerStats:
     timed_out: int = 0
     history_prefills: int = 0  # history prefills done (`Engine.keep_history`)
     history_computed: int = 0  # positions they computed (the rest was restored)
+    history_superseded: int = 0  # dropped before they ran: their conversation's next
+    # request came first (it computes the history with its own prompt)
 
 
 class Scheduler:
@@ -212,16 +219,37 @@ class Scheduler:
 
     def submit(self, ticket: Ticket) -> None:
         """Queue a request. Raises QueueFull when `max_queue` requests already wait (a
-        history prefill: when `max_batch` of them are in hand already)."""
+        history prefill: when `max_batch` of them are in hand already). A request drops the
+        waiting history prefills its prompt goes on from (its conversation's: it computes
+        and keeps that history itself)."""
         with self._cv:
             self._check_room()
             if _background(ticket) and self.background >= self.max_batch:
                 raise QueueFull(f"{self.background} history prefills are in hand")
+            if not _background(ticket):
+                self._supersede(ticket.request.prompt_ids)
             ticket.t0 = time.perf_counter()
             self._keys += 1
             ticket.key = self._keys
             self._waiting.append(ticket)
             self._cv.notify()
+
+    def _supersede(self, prompt: Sequence[int]) -> None:
+        """Drop the waiting history prefills whose history `prompt` starts with (the caller
+        holds `_cv`)."""
+        for t in [t for t in self._waiting if _background(t)]:
+            head = t.request.prompt_ids[:-1]
+            if len(prompt) > len(head) and tuple(prompt[:len(head)]) == tuple(head):
+                self._waiting.remove(t)
+                self.stats.history_superseded += 1
+
+    def _due(self, t: Ticket, now: float) -> bool:
+        """Whether waiting ticket `t` may start: a request always; a history prefill once no
+        request is in hand and it has waited `HISTORY_GRACE_S` (the caller holds `_cv`)."""
+        if not _background(t):
+            return True
+        return (now - t.t0 >= HISTORY_GRACE_S and not any(
+            not _background(o) for o in (*self._active, *self._waiting)))
 
     def stop(self, wait_s: float = 0.0) -> None:
         """Stop the loop after its current round (a sharded target's replicas are told);
@@ -257,8 +285,13 @@ class Scheduler:
     def _rounds(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._active:
-                    self._cv.wait()
+                while not self._stop and not self._active:
+                    now = time.perf_counter()
+                    if any(self._due(t, now) for t in self._waiting):
+                        break
+                    # nothing to run; a history prefill waits out its grace (or a request)
+                    left = [HISTORY_GRACE_S - (now - t.t0) for t in self._waiting]
+                    self._cv.wait(max(min(left), 0.001) if left else None)
                 if self._stop:
                     if self.publish is not None and self.fatal is None:
                         self._publish(Decisions(stop=True))
@@ -281,11 +314,14 @@ class Scheduler:
         with self._cv:
             admitted = []
             used = sum(t.request.kv_positions for t in self._active)
-            # Requests in order; history prefills (background) after them, where they fit:
-            # one never holds a request back.
+            # Requests in order; history prefills (background) after them, where they fit and
+            # are due (`_due`): one never holds a request back.
+            now = time.perf_counter()
             for t in sorted(self._waiting, key=lambda t: _background(t)):
                 if len(self._active) >= self.max_batch:
                     break
+                if not self._due(t, now):
+                    continue
                 need = t.request.kv_positions
                 if (self.max_kv_tokens is not None and self._active
                         and used + need > self.max_kv_tokens):

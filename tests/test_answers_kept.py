@@ -12,6 +12,8 @@ counts the restored positions as cached.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from oracle import reference_decode
@@ -129,6 +131,34 @@ def test_the_prompt_alone_is_dropped_for_the_answer_and_both_count_in_bytes(embe
     assert e.kv_store.nbytes == sum(
         a.nbytes for _, states, _ in e.kv_store._entries.values() for st in states
         for a in st if hasattr(a, "nbytes"))
+
+
+def test_only_a_request_a_next_turn_likely_follows_keeps_its_answer(embedded):
+    # A one-shot request (no tools, no earlier turn) keeps only its prompt's state, as before
+    # answers were kept: it pays nothing for a next turn that never comes. Tools, an earlier
+    # turn, or `continues` keep the answer; `continues=False` keeps nothing past the prompt.
+    from specdec.request import GenerateRequest, Message, Tool
+
+    tool = Tool("colours", "List colours", {"type": "object", "properties": {}})
+    msgs = tuple(Message(m["role"], m["content"]) for m in FIRST)
+    later = (*msgs, Message("assistant", "Red."), Message("user", "And two more?"))
+    # (decoded: the first and the fourth; the others' prompts are long on this BLAS)
+    cases = [(GenerateRequest(messages=msgs), False, True),
+             (GenerateRequest(messages=msgs, tools=(tool,), tool_choice="none"), True, False),
+             (GenerateRequest(messages=later), True, False),
+             (GenerateRequest(messages=msgs, continues=True), True, True),
+             (GenerateRequest(messages=later, continues=False), False, False)]
+    e = Engine(embedded, None)
+    for greq, kept, decoded in cases:
+        e.kv_store.clear()
+        greq = dataclasses.replace(greq, max_tokens=3)
+        req = e.prepare(greq)
+        assert req.keep is kept and greq.next_turn_likely is kept, greq
+        if not decoded:
+            continue
+        r = e.generate(req)
+        longest = max(len(k[1]) for k in e.kv_store._entries)
+        assert (longest > len(req.prompt_ids)) is kept, (greq, longest, r.tokens)
 
 
 def test_every_kept_state_is_its_tokens_prefilled_cold(embedded, distilled):

@@ -158,8 +158,11 @@ def test_a_history_prefill_replaces_only_its_own_answers_state(models):
         msgs = (Message("system", SYSTEM), Message("user", "Say something."))
         runs = []
         for seed in (1, 2):
+            # (a first turn without tools: `continues` says a next turn comes, so its
+            # answer is kept)
             greq = GenerateRequest(messages=msgs, max_tokens=24, thinking_budget=8,
-                                   sampling=SamplingParams(8.0, seed=seed), spec={"k": 3})
+                                   sampling=SamplingParams(8.0, seed=seed), spec={"k": 3},
+                                   continues=True)
             req = e.prepare(greq)
             before = set(e.kv_store._entries)
             got = _run(e, greq, req)
@@ -222,3 +225,34 @@ def test_the_server_queues_the_history_after_an_answer(models):
         assert r2.usage.prompt_tokens_details.cached_tokens == expect, (r2.usage, expect)
     finally:
         app.stop()
+
+
+def test_a_next_turn_sent_at_once_computes_the_history_itself(models):
+    # An agent whose tool runs at once sends its next turn within the history prefill's
+    # grace: the waiting prefill is dropped (it would only delay the turn by a forward of
+    # its own), the turn restores the answer's kept state and computes the rest with its
+    # own tokens, and decodes what it decodes cold.
+    m = models["hermes"]
+    e = Engine(m, m, SpecConfig(k=3))
+    e.start()
+    try:
+        msgs = [Message("system", SYSTEM), Message("user", "Look up 'cat'.")]
+        greq = _request(msgs, True, False)
+        req = e.prepare(greq)
+        got = _run(e, greq, req)
+        answer = Message("assistant", got.text, got.reasoning, got.tool_calls)
+        assert got.tool_calls
+        nxt = _request([*msgs, answer, *(Message("tool", "a small animal", tool_call_id=c.id,
+                                                 name=c.name) for c in got.tool_calls)],
+                       False, False)
+        req2 = e.prepare(nxt)
+        assert e.keep_history(greq, answer, req) > 0
+        warm = _run(e, nxt, req2)  # at once
+        _idle(e)
+        st = e.scheduler.stats
+        assert (st.history_superseded, st.history_prefills) == (1, 0)
+        assert warm.usage.cached_tokens > len(req.prompt_ids)  # the answer's kept state
+        e.kv_store.clear()
+        assert _run(e, nxt).tokens == warm.tokens  # as cold
+    finally:
+        e.close()
