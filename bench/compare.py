@@ -6,7 +6,8 @@ REV is built once per commit in a git worktree with a virtual environment of its
 Both servers start with the same arguments (and mlx-lm's own server as the peer, on the
 unstructured loads), then each round runs every cell on every arm back to back, the arms'
 order rotating from cell to cell and round to round, so that machine noise falls on the arms
-alike:
+alike; within a round the arms run there and back (A B B A), so that a drift of the
+machine's speed within the round falls on them alike too:
 
 - `c1`, `c8`, `c16` (`--levels`): the serving load of `bench/test_server_load.py` (each
   client sends the six JSON-schema workloads, `max_tokens` 32, temperature 0), structured
@@ -204,6 +205,8 @@ def run(head: Arm, base: Arm, peer: Arm | None, levels: Sequence[int], rounds: i
     """Every cell (`only`: those named) on every arm, `rounds` times, the arms' order
     rotating."""
     cells: dict[str, Cell] = {}
+    # (cell, its arms, the run of an arm: (arm, a run number never used twice) -> (speed,
+    # answers))
     plan: list[tuple[str, list[Arm], Callable[[Arm, int], tuple[float, list[Any]]]]] = []
     for c in levels:
         for structured in (True, False):
@@ -212,7 +215,9 @@ def run(head: Arm, base: Arm, peer: Arm | None, levels: Sequence[int], rounds: i
                          lambda a, r, c=c, s=structured: serving(a.client(), c, s, a.model)))
     if turns > 1:
         plan.append(("agent", [head, base],
-                     lambda a, r: agent_loop(a.client(), turns, f"Session {r}.")))
+                     # a new session each run: nothing of an earlier run's conversation is
+                     # in the prompt store
+                     lambda a, n: agent_loop(a.client(), turns, f"Session {n}.")))
     plan = [p for p in plan if not only or p[0] in only]
     k = 0
     for r in range(rounds):
@@ -220,9 +225,14 @@ def run(head: Arm, base: Arm, peer: Arm | None, levels: Sequence[int], rounds: i
             cell = cells.setdefault(name, Cell(name))
             order = arms[k % len(arms):] + arms[:k % len(arms)]
             k += 1
-            for a in order:
-                speed, answers = f(a, r)
-                cell.add(a.name, speed, answers)
+            # There and back (A B B A): a drift of the machine's speed within the round
+            # falls on every arm alike; an arm's speed is the mean of its two runs.
+            got: dict[str, list[tuple[float, list[Any]]]] = {}
+            for j, a in enumerate(order + order[::-1]):
+                got.setdefault(a.name, []).append(f(a, 2 * r + (j >= len(order))))
+            for name, runs in got.items():
+                cell.add(name, statistics.mean(x for x, _ in runs),
+                         [y for _, ys in runs for y in ys])
             log(f"compare: round {r + 1}/{rounds} {name}: " + " ".join(
                 f"{a.name} {cell.speed[a.name][-1]:.2f}" for a in arms))
     return cells
