@@ -226,8 +226,9 @@ class Scheduler:
             self._check_room()
             if _background(ticket) and self.background >= self.max_batch:
                 raise QueueFull(f"{self.background} history prefills are in hand")
-            if not _background(ticket):
-                self._supersede(ticket.request.prompt_ids)
+            prompt = getattr(ticket.request, "prompt_ids", None)  # (a stand-in: none)
+            if not _background(ticket) and prompt is not None:
+                self._supersede(prompt)
             ticket.t0 = time.perf_counter()
             self._keys += 1
             ticket.key = self._keys
