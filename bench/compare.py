@@ -230,8 +230,8 @@ def run(head: Arm, base: Arm, peer: Arm | None, levels: Sequence[int], rounds: i
             got: dict[str, list[tuple[float, list[Any]]]] = {}
             for j, a in enumerate(order + order[::-1]):
                 got.setdefault(a.name, []).append(f(a, 2 * r + (j >= len(order))))
-            for name, runs in got.items():
-                cell.add(name, statistics.mean(x for x, _ in runs),
+            for arm, runs in got.items():
+                cell.add(arm, statistics.mean(x for x, _ in runs),
                          [y for _, ys in runs for y in ys])
             log(f"compare: round {r + 1}/{rounds} {name}: " + " ".join(
                 f"{a.name} {cell.speed[a.name][-1]:.2f}" for a in arms))
