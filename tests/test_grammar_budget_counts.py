@@ -170,7 +170,6 @@ def test_a_request_over_its_budget_in_uncounted_work_ends_within_it_and_one_roun
     assert isinstance(ev, Failed) and ev.error.code == "grammar_too_complex", ev
     assert "in all" in str(ev.error), ev.error
     # One round's injected work at most past the budget: a round's verify rows are at most
-    # 5 (4 proposals), each a fill and a consume that sleep. The prompt's prefill and the
-    # forwards are not grammar work: a generous bound for them on the slowest machine.
-    assert budget < sum(slept) <= budget + 10 * delay, (sum(slept), len(slept))
-    assert took < budget + 10 * delay + 3.0, took
+    # 5 (4 proposals), each a fill and a consume that sleep. (The forwards are not grammar
+    # work, and their time is the machine's: not asserted here.)
+    assert budget < sum(slept) <= budget + 10 * delay, (sum(slept), len(slept), took)
