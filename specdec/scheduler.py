@@ -161,6 +161,8 @@ class Scheduler:
         # finished requests' kept states, by id(request), for their history prefill
         self._kept: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {}
         self._cv = threading.Condition()
+        self._quiet_since: float | None = 0.0  # since when no request is in hand (None: one
+        # is); a history prefill waits `HISTORY_GRACE_S` past it
         self._stop = False
         self._keys = 0
         # The branch threshold rounds use (`TreeCosts.threshold`, to 3 decimals, so that a
@@ -246,11 +248,19 @@ class Scheduler:
 
     def _due(self, t: Ticket, now: float) -> bool:
         """Whether waiting ticket `t` may start: a request always; a history prefill once no
-        request is in hand and it has waited `HISTORY_GRACE_S` (the caller holds `_cv`)."""
+        request has been in hand for `HISTORY_GRACE_S` since it was queued (the caller holds
+        `_cv`)."""
         if not _background(t):
             return True
-        return (now - t.t0 >= HISTORY_GRACE_S and not any(
+        return (self._grace_left(t, now) <= 0 and not any(
             not _background(o) for o in (*self._active, *self._waiting)))
+
+    def _grace_left(self, t: Ticket, now: float) -> float:
+        """Seconds a waiting history prefill still waits (the caller holds `_cv`)."""
+        quiet = self._quiet_since
+        if quiet is None:
+            return HISTORY_GRACE_S
+        return HISTORY_GRACE_S - (now - max(t.t0, quiet))
 
     def stop(self, wait_s: float = 0.0) -> None:
         """Stop the loop after its current round (a sharded target's replicas are told);
@@ -291,7 +301,7 @@ class Scheduler:
                     if any(self._due(t, now) for t in self._waiting):
                         break
                     # nothing to run; a history prefill waits out its grace (or a request)
-                    left = [HISTORY_GRACE_S - (now - t.t0) for t in self._waiting]
+                    left = [self._grace_left(t, now) for t in self._waiting]
                     self._cv.wait(max(min(left), 0.001) if left else None)
                 if self._stop:
                     if self.publish is not None and self.fatal is None:
@@ -340,6 +350,12 @@ class Scheduler:
                 self.round_started = time.perf_counter()
                 self._step(admitted)
             self.round_started = None
+            with self._cv:  # (the history prefills' grace counts from here)
+                busy = any(not _background(t) for t in self._active)
+                if busy:
+                    self._quiet_since = None
+                elif self._quiet_since is None:
+                    self._quiet_since = time.perf_counter()
         except Exception as e:  # a fault outside any one request: fail them all
             self.round_started = None
             if self.fatal is not None:
