@@ -40,7 +40,8 @@ REQUIRED = (
                                                  "calls_reserialized")
       for row in ("computed_over_new", "history_computed", "ttft_last_over_cold",
                   "draft_cached")),
-    "agent_loop_by_id_over_resend_computed",
+    "agent_loop_by_id_over_resend_computed", "agent_loop_served_ttft_over_bound",
+    "agent_loop_served_last_over_cold",
 )
 
 

@@ -36,7 +36,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,50 +144,16 @@ def agent_loop(client: Any, turns: int, session: str) -> tuple[float, list[Any]]
     after the first over their summed time to first token, per second; each turn's answer:
     its text and calls)."""
     from bench import test_agent_loop as al
-    from specdec.request import ToolCall
 
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": dict(t.parameters)}}
-             for t in al.TOOLS]
+    tools = al.chat_tools()
     msgs: list[dict[str, Any]] = [{"role": "system", "content": f"{session} {al.SYSTEM}"},
                                   {"role": "user", "content": al._question(0)}]
     firsts, outs, q = [], [], 1
     for _ in range(turns):
-        calling = msgs[-1]["role"] == "user"
-        t0 = time.perf_counter()
-        first = None
-        text, calls = "", {}
-        stream = client.chat.completions.create(
-            model="default", messages=msgs, tools=tools, temperature=0,
-            max_tokens=al.MAX_TOKENS, tool_choice="required" if calling else "auto",
-            stream=True)
-        for chunk in stream:
-            if not chunk.choices:
-                continue
-            d = chunk.choices[0].delta
-            if first is None and (d.content or d.tool_calls):
-                first = time.perf_counter() - t0
-            text += d.content or ""
-            for tc in d.tool_calls or []:
-                got = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
-                got["id"] = tc.id or got["id"]
-                if tc.function is not None:
-                    got["name"] += tc.function.name or ""
-                    got["arguments"] += tc.function.arguments or ""
-        firsts.append(first if first is not None else time.perf_counter() - t0)
-        made = [calls[i] for i in sorted(calls)]
-        outs.append([text, [(c["name"], c["arguments"]) for c in made]])
-        msg: dict[str, Any] = {"role": "assistant", "content": text or None}
-        if made:
-            msg["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-                "name": c["name"], "arguments": c["arguments"]}} for c in made]
-        msgs.append(msg)
-        for c in made:
-            msgs.append({"role": "tool", "tool_call_id": c["id"], "content": al._result(
-                ToolCall(c["id"], c["name"], c["arguments"]))})
-        if not made:
-            msgs.append({"role": "user", "content": al._question(q)})
-            q += 1
+        turn = al.stream_turn(client, msgs, tools)
+        firsts.append(turn.first_s)
+        outs.append(turn.answer())
+        q = al.next_messages(msgs, turn, q)
     return (turns - 1) / max(sum(firsts[1:]), 1e-9), outs
 
 

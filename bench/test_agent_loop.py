@@ -27,6 +27,18 @@ Per shape:
 - `agent_loop_draft_cached_<shape>`: of the positions restored from the store, the fraction
   the draft's cache restored too (the rest the draft computed).
 
+Served (`test_agent_loop_served`): the `plain` loop through a real `specdec serve` (the
+embedded model, shipped settings), Chat Completions streamed, tools in every request, each
+turn sending the whole history back the moment the last one ended (the tool answers at
+once), `SERVED_TURNS` turns:
+- `agent_loop_served_ttft_over_bound`: turn 8's time to its first delta (at the client)
+  over its prefill (`specdec.prefill_s`: the positions it computed, the stored ones
+  restored) plus its first round (`specdec.first_round_s`) plus 50 ms; goal: at most 1 (the
+  first token costs the new tokens and one round, nothing else).
+- `agent_loop_served_last_over_cold`: the last turn's time to its first delta over the same
+  request's on a new server (nothing stored), both giving the same answer; goal: at most
+  0.1 at turn 20.
+
 And the loop by id: `agent_loop_by_id_over_resend_computed`: the `plain` loop through the
 server's Responses API continuing each turn by `previous_response_id`, against the same
 loop through Chat Completions resending the whole history (in process, one server): prompt
@@ -53,6 +65,8 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "tests" / "templates"
 SHAPES = {"plain": (None, False), "reasoning_dropped": ("qwen3.jinja", True),
           "calls_reserialized": ("tools_hermes.jinja", False)}
 TURNS = results.size(8, 20, smoke=2)
+SERVED_TURNS = results.size(20, 20, smoke=3)
+BOUND_TURN = 8  # the served turn whose first delta is held to its prefill and one round
 MAX_TOKENS = 40
 THINKING = 12  # a thinking turn's reasoning budget
 SYSTEM = ("You are the operations assistant of a travel agency. You answer travellers' "
@@ -218,6 +232,132 @@ def test_agent_loop(benchmark, shape):
         e.close()
 
 
+def chat_tools() -> list[dict[str, Any]]:
+    """`TOOLS` as Chat Completions spells them."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": dict(t.parameters)}}
+            for t in TOOLS]
+
+
+@dataclasses.dataclass
+class Turn:
+    """One streamed turn as the client saw it: time to its first delta (text or a call),
+    to its end, its text, calls ({id, name, arguments}) and the `specdec` extension."""
+
+    first_s: float
+    total_s: float
+    text: str
+    calls: list[dict[str, str]]
+    ext: dict[str, Any]
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message the client sends back."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.text or None}
+        if self.calls:
+            msg["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                "name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
+        return msg
+
+    def answer(self) -> list[Any]:
+        return [self.text, [(c["name"], c["arguments"]) for c in self.calls]]
+
+
+def stream_turn(client: Any, msgs: list[dict[str, Any]], tools: list[dict[str, Any]]
+                ) -> Turn:
+    """One turn of the loop through Chat Completions, streamed: a call is required where
+    the last message is the user's, else "auto"."""
+    calling = msgs[-1]["role"] == "user"
+    t0 = time.perf_counter()
+    first, text, calls, ext = None, "", {}, {}
+    stream = client.chat.completions.create(
+        model="default", messages=msgs, tools=tools, temperature=0, max_tokens=MAX_TOKENS,
+        tool_choice="required" if calling else "auto", stream=True,
+        stream_options={"include_usage": True})
+    for chunk in stream:
+        ext = (chunk.model_extra or {}).get("specdec") or ext
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        if first is None and (d.content or d.tool_calls):
+            first = time.perf_counter() - t0
+        text += d.content or ""
+        for tc in d.tool_calls or []:
+            got = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            got["id"] = tc.id or got["id"]
+            if tc.function is not None:
+                got["name"] += tc.function.name or ""
+                got["arguments"] += tc.function.arguments or ""
+    total = time.perf_counter() - t0
+    return Turn(first if first is not None else total, total, text,
+                [calls[i] for i in sorted(calls)], ext)
+
+
+def next_messages(msgs: list[dict[str, Any]], turn: Turn, q: int) -> int:
+    """Append the turn's answer and what the client sends next (its calls' results, or
+    the next question, `q`); returns the next question's number."""
+    msgs.append(turn.message())
+    for c in turn.calls:
+        msgs.append({"role": "tool", "tool_call_id": c["id"],
+                     "content": _result(ToolCall(c["id"], c["name"], c["arguments"]))})
+    if not turn.calls:
+        msgs.append({"role": "user", "content": _question(q)})
+        q += 1
+    return q
+
+
+def test_agent_loop_served(benchmark):
+    """The `plain` loop through a real server, streamed: the bound turn's first delta
+    against its prefill and first round; the last turn against itself cold."""
+    import openai
+
+    from tests.serverproc import Server
+
+    tools = chat_tools()
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": _question(0)}]
+
+    def loop() -> tuple[list[Turn], list[dict[str, Any]]]:
+        srv = Server()
+        try:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+            turns, q, sent = [], 1, []
+            for _ in range(SERVED_TURNS):
+                sent = list(msgs)
+                turns.append(stream_turn(client, msgs, tools))
+                q = next_messages(msgs, turns[-1], q)
+            return turns, sent
+        finally:
+            srv.stop()
+
+    turns, last_sent = benchmark.pedantic(loop, rounds=1, iterations=1)
+    srv = Server()  # the last turn cold: a new server, nothing stored
+    try:
+        cold = stream_turn(openai.OpenAI(base_url=srv.url + "/v1", api_key="x",
+                                         max_retries=0), last_sent, tools)
+    finally:
+        srv.stop()
+    last = turns[-1]
+    assert cold.answer() == last.answer(), "the last turn cold gave another answer"
+    at = min(BOUND_TURN, len(turns)) - 1
+    b = turns[at]
+    bound = b.ext["prefill_s"] + b.ext["first_round_s"] + 0.05
+    rounds = [t.ext["decode_s"] / max(t.ext["rounds"], 1) for t in turns[1:]]
+    per_turn = " ".join(
+        f"{t.first_s * 1e3:.0f}/{(t.ext['prefill_s'] + t.ext['first_round_s']) * 1e3:.0f}"
+        for t in turns[1:])
+    results.add("agent_loop_served_ttft_over_bound", b.first_s / bound, "ratio",
+                f"turn {at + 1} of a {len(turns)}-turn tool loop through `specdec serve`, "
+                f"Chat Completions streamed: first delta {b.first_s * 1e3:.0f} ms at the "
+                f"client; prefill {b.ext['prefill_s'] * 1e3:.0f} ms ({b.ext['rounds']} "
+                f"rounds), first round {b.ext['first_round_s'] * 1e3:.0f} ms (mean round of "
+                f"turns 2+ {statistics.mean(rounds) * 1e3:.0f} ms); bound = prefill + first "
+                f"round + 50 ms; first delta/prefill+first round per turn (ms): {per_turn}")
+    results.add("agent_loop_served_last_over_cold", last.first_s / cold.first_s, "ratio",
+                f"turn {len(turns)}: first delta {last.first_s * 1e3:.0f} ms warm, "
+                f"{cold.first_s * 1e3:.0f} ms on a new server (prefill "
+                f"{cold.ext['prefill_s'] * 1e3:.0f} ms); the same answer")
+
+
 def test_agent_loop_by_id_over_resend(benchmark):
     """The `plain` loop through the server: Responses continuing by id vs Chat resending."""
     from server.app import create_app
@@ -229,10 +369,7 @@ def test_agent_loop_by_id_over_resend(benchmark):
     asgi = create_app(e, ServeConfig())
     app = InProcess(asgi, e)
     client = app.client()
-    tools_chat = [{"type": "function", "function": {"name": t.name, "description":
-                                                    t.description,
-                                                    "parameters": dict(t.parameters)}}
-                  for t in TOOLS]
+    tools_chat = chat_tools()
     tools_resp = [{"type": "function", "name": t.name, "description": t.description,
                    "parameters": dict(t.parameters), "strict": False} for t in TOOLS]
     n = results.size(6, 12, smoke=2)

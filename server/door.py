@@ -712,6 +712,7 @@ def extension(run: Run, stats: GenerationStats, warnings: tuple[str, ...]) -> di
             **c.source_counts(),  # by source and on branches: `forced`, `forced_accepted`, ...
             "grammar_cuts": c.grammar_cuts, "budget_steered": c.budget_steered,
             "mask_s": round(c.mask_s, 6), "prefill_s": round(c.prefill_s, 6),
+            "first_round_s": round(c.first_round_s, 6),
             "prepare_s": round(getattr(run, "prepare_s", 0.0), 6),
             "compile_s": round(getattr(run.request, "compile_s", 0.0), 6),
             "decode_s": round(stats.decode_s, 6), "tokens_per_s": round(stats.tokens_per_s, 3),

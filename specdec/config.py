@@ -27,8 +27,9 @@ class SpecConfig:
     """Speculative decoding settings.
 
     Attributes:
-        k: most draft-model tokens proposed per round (1..16); forced and looked-up tokens
-            may extend a round to `cheap_k` = min(2k, 16).
+        k: most draft-model tokens proposed per round (1..16); looked-up tokens may bring
+            the proposals not forced to `cheap_k` = min(2k, 16), and where one request runs,
+            forced tokens run on past them to 16 in all.
         draft_masking: mask the draft's logits with a matcher clone (proposals legal by
             construction). Off: the draft proposes unmasked and the backstop cuts.
         forced_drafting: propose grammar-forced tokens without running the draft model.

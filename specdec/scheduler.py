@@ -537,8 +537,12 @@ class Scheduler:
         if ready:
             t0 = time.perf_counter()
             run_round(self.models, [t.state for t in ready], self.tree_min_score)
+            spent = time.perf_counter() - t0
             self.stats.rounds += 1
-            self.stats.round_s += time.perf_counter() - t0
+            self.stats.round_s += spent
+            for t in ready:
+                if not t.state.stats.first_round_s:
+                    t.state.stats.first_round_s = spent
             self.stats.batch_rows_sum += len(ready)
             self.stats.last_batch = len(ready)
         for t in ready:

@@ -149,6 +149,8 @@ class SpecStats(StepTimings):
         draft_load_skips: rounds in which the draft model was left out because the batch
             was larger than `Models.draft_max_batch`.
         draft_s, verify_s: time in draft and verify phases.
+        first_round_s: the request's first round, the one that gave its first tokens (its
+            time to first token is its wait, its prefill and this).
         spec_off: why a request that asked for speculation decodes plainly, or the draft
             model is left out ("" when neither): a cache kind that cannot be trimmed exactly.
     """
@@ -166,6 +168,7 @@ class SpecStats(StepTimings):
     draft_load_skips: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    first_round_s: float = 0.0
     spec_off: str = ""
 
     @property
@@ -309,10 +312,12 @@ class RoundBounds:
     """What a round lets one request propose.
 
     Attributes:
-        depth: most proposals (its token budget; the spec's k or `cheap_k` caps it).
-        run_on: forced and looked-up tokens may run on past k to `cheap_k` (False in a
-            batched round: past ~16 rows every verify row costs compute the other requests
-            wait for, while a run that stops at k finishes next round).
+        depth: most proposals (its token budget; the spec's k, `cheap_k` or
+            `MAX_DRAFT_TOKENS` caps it).
+        run_on: looked-up tokens may run on past k to `cheap_k`, forced ones past those to
+            `MAX_DRAFT_TOKENS` (False in a batched round: past ~16 rows every verify row
+            costs compute the other requests wait for, while a run that stops at k finishes
+            next round).
         tree: most branch tokens (its share of `SpecConfig.tree`; 0: a chain).
         min_score: the branch threshold where the spec leaves it open
             (`TreeCosts.threshold`).
@@ -382,10 +387,13 @@ class Proposer:
     def __init__(self, req: RequestView, draft: DraftSide, bounds: RoundBounds) -> None:
         spec = req.spec
         self.req, self.draft, self.bounds = req, draft, bounds
-        # The draft model proposes up to k per round; forced and looked-up tokens (no draft
-        # step, and usually accepted) may run on to 2k, capped by the token budget.
+        # The draft model proposes up to k per round; looked-up tokens (no draft step, and
+        # usually accepted) may bring the proposals that are not forced to 2k; forced tokens
+        # (certain) run on past them to `MAX_DRAFT_TOKENS`: a call's markup and name, a
+        # schema's keys, come in the round that reaches them. All capped by the token budget.
         self.k_model = min(spec.k, bounds.depth)
-        self.depth = min(spec.cheap_k if bounds.run_on else spec.k, bounds.depth)
+        self.open_k = min(spec.cheap_k if bounds.run_on else spec.k, bounds.depth)
+        self.depth = min(MAX_DRAFT_TOKENS if bounds.run_on else spec.k, bounds.depth)
         self.clone: GrammarState | None = None  # advanced through the proposals
         if req.matcher is not None and (spec.draft_masking or spec.forced_drafting
                                         or req.index or req.earlier):
@@ -417,11 +425,14 @@ class Proposer:
         `Proposals`."""
         if self.bounds.depth <= 0:
             return Proposals([], [])
+        opened = drafts = 0  # proposals not forced; of them, the draft model's
         for j in range(self.depth):
             if self.clone is not None and not self._fill(j):
                 break
             forced = (single_allowed(self.row[0])
                       if self.clone is not None and self.req.spec.forced_drafting else None)
+            if forced is None and opened >= self.open_k:
+                break  # only forced tokens run on past the open share
             found = self._looked_up() if forced is None else None
             if forced is not None:
                 if forced >= self.draft.vocab:
@@ -432,13 +443,15 @@ class Proposer:
                 if self.bounds.tree > 0:  # the other runs the indexes hold here: branches
                     self._branch_runs(j, tok)
                 self.reach *= self.rate[src]
-            elif self.draft.model is None or j >= self.k_model:
+            elif self.draft.model is None or drafts >= self.k_model:
                 break  # no model (or its share is spent): stop at the first open position
             else:
                 drafted = yield from self._draft(j)
                 if drafted is None:
                     break
                 tok, src = drafted, DRAFTED
+                drafts += 1
+            opened += src != FORCED
             if not self._take(tok, src):
                 break
         return self._finish()

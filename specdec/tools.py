@@ -733,9 +733,10 @@ class CallParser:
 
     `parse(answer so far)` gives the text, how much of it is certain (text that could still
     be the start of call markup is not), and the calls begun so far: a call's name is known
-    once complete; JSON arguments grow as they arrive; XML parameters and a call whose id the
-    format writes after its arguments are known once the call is complete. An id the model
-    wrote that an earlier call of the answer has already is made unique (`_unique_id`).
+    once complete (the markup after it begun, where the tools' names are given); JSON
+    arguments grow as they arrive; XML parameters and a call whose id the format writes
+    after its arguments are known once the call is complete. An id the model wrote that an
+    earlier call of the answer has already is made unique (`_unique_id`).
 
     Attributes:
         fmt: the format.
@@ -786,6 +787,17 @@ class CallParser:
         ends = [n + self.fmt.name_end.split(ID)[0] for n in self.names]
         return any(rest.startswith(e) or e.startswith(rest) for e in ends)
 
+    def _named(self, rest: str) -> str | None:
+        """The tool `rest` names when it is one tool's whole name followed by the start of
+        the markup after a name (a name is known before that markup is complete: the
+        call's first delta need not wait for it); None: not yet, or no tool names given."""
+        lead = self.fmt.name_end.split(ID)[0]
+        if not lead or not self.names:
+            return None
+        found = [n for n in self.names
+                 if len(rest) > len(n) and rest.startswith(n) and lead.startswith(rest[len(n):])]
+        return found[0] if len(found) == 1 else None
+
     def _calls(self, s: str, pos: int, final: bool, expect: str = "") -> list[ParsedCall]:
         f = self.fmt
         out: list[ParsedCall] = []
@@ -799,6 +811,10 @@ class CallParser:
             idx = len(out)
             m = name_end.search(s, pos)
             if m is None:
+                name = self._named(s[pos:])
+                if name is not None:  # its name complete, the markup after it on its way
+                    out.append(ParsedCall(idx, self._ids.setdefault(
+                        idx, f"call_{uuid.uuid4().hex[:24]}"), name))
                 return out
             call = ParsedCall(idx, self._ids.setdefault(idx, f"call_{uuid.uuid4().hex[:24]}"),
                               s[pos:m.start()])

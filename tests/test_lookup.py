@@ -142,3 +142,60 @@ def test_the_other_answers_runs_become_branches_off_the_chain():
     # Under a higher threshold the second run token goes (0.25 < 0.3), then the branch.
     assert _tree_proposals(store, "a", [7, 1, 2, 3], tree_min_score=0.3).tokens == [4, 5, 9]
     assert _tree_proposals(store, "a", [7, 1, 2, 3], tree_min_score=0.6).parents is None
+
+
+def test_forced_tokens_run_on_past_the_open_share_where_one_request_runs():
+    """Forced tokens (certain) do not use up a round's share: where one request runs, they
+    run on to 16 proposals in all, the draft model still proposing its k; batched, a round
+    proposes k in all as before."""
+    from specdec.sampling import SamplingParams
+    from specdec.speculative import (DraftSide, Forward, Proposer, RequestView, RoundBounds,
+                                     SpecConfig, SpecStats)
+
+    class Forcing:  # a grammar that forces every token but every fifth (free)
+        def __init__(self, n=0):
+            self.n = n
+
+        def deep_copy(self):
+            return Forcing(self.n)
+
+        def is_error(self):
+            return False
+
+        def consume_token(self, tok):
+            self.n += 1
+            return True
+
+        def unsafe_compute_mask_ptr(self, ptr, nbytes):  # (what llguidance's numpy calls)
+            row = np.ctypeslib.as_array((ctypes.c_int32 * (nbytes // 4)).from_address(ptr))
+            row[:] = -1 if self.n % 5 == 0 else 0
+            if self.n % 5:
+                row[0] = 1 << 3  # token 3 only
+
+    import ctypes
+
+    import mlx.core as mx
+    import numpy as np
+
+    def propose(run_on: bool, k: int = 2) -> list[str]:
+        req = RequestView([1, 2], 0, {0}, SamplingParams(), SpecConfig(k), SpecStats(), 32,
+                          Forcing())
+        gen = Proposer(req, DraftSide(object(), [], 32), RoundBounds(100, run_on=run_on)
+                       ).steps()
+        ask = next(gen)
+        try:
+            while True:
+                if isinstance(ask, Forward):
+                    ask = gen.send(mx.arange(32, dtype=mx.float32))  # picks token 31
+                else:
+                    mx.eval(*ask.arrays)
+                    ask = gen.send(None)
+        except StopIteration as done:
+            return done.value.sources
+
+    run = ["drafted"] + ["forced"] * 4
+    # Two drafted, the forced runs after each (10 in all, past cheap_k = 4); the next open
+    # position ends the round (the draft's share is spent).
+    assert propose(True) == run * 2
+    assert propose(True, k=4) == (run * 4)[:16]  # 16 at most
+    assert propose(False) == ["drafted", "forced"]  # batched: k in all

@@ -612,3 +612,27 @@ def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_turn(
     with pytest.raises(RequestError):  # the client's own system message is still refused
         e.prepare(GenerateRequest(messages=(Message("system", "Be brief."),) + ask,
                                   tools=(WEATHER,)))
+
+
+def test_a_calls_first_delta_comes_once_its_name_is_complete():
+    """The name is known as soon as the markup after it begins (a client shows the call at
+    once), never while it could still be another tool's longer name; its arguments follow."""
+    from specdec.events import ToolCallDelta
+    from specdec.tools import CallParser
+
+    p = CallParser(LLAMA, names=("get", "get_weather"))
+    assert p.parse('{"name": "get')[2] == []  # "get" or "get_weather": not yet
+    assert p.parse('{"name": "get_weather')[2] == []  # its closing markup not begun
+    (c,) = p.parse('{"name": "get_weather"')[2]
+    assert (c.name, c.arguments, c.done) == ("get_weather", "", False)
+    (c,) = p.parse('{"name": "get", "para')[2]
+    assert (c.name, c.arguments, c.done) == ("get", "", False)
+    assert CallParser(LLAMA).parse('{"name": "get"')[2] == []  # no names: at its markup's end
+    got = run_text(LLAMA, ['{"name": "', "get_weather", '", "', 'parameters": ', '{"city"',
+                           ': "Oslo"}', "}"], names=("get_weather",))
+    calls = [e for e in got if isinstance(e, ToolCallDelta)]
+    # The name alone after its piece and the start of the markup; the id stays the same.
+    assert (calls[0].name, calls[0].arguments) == ("get_weather", "")
+    assert {e.id for e in calls} == {calls[0].id}
+    assert "".join(e.arguments for e in calls) == '{"city": "Oslo"}'
+    assert got[-1].tool_calls[0].arguments == '{"city": "Oslo"}'
