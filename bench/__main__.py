@@ -41,7 +41,8 @@ REQUIRED = (
       for row in ("computed_over_new", "history_computed", "ttft_last_over_cold",
                   "draft_cached")),
     "agent_loop_by_id_over_resend_computed", "agent_loop_served_ttft_over_bound",
-    "agent_loop_served_last_over_cold",
+    "agent_loop_served_last_over_cold", "store_bytes_per_unique_50_turns",
+    "store_gap_p99_loaded_over_idle", "store_health_p99_ms_loaded",
 )
 
 

@@ -24,7 +24,7 @@ from .errors import bad_request, openai_response
 from .openapi import error_responses
 from .responses import NEEDS, not_found, wire_item
 from .responses_wire import FAIL_FAST, InputItem
-from .store import Item, Store, page
+from .store import Item, Store, first_duplicate, page
 
 PREFIX = "/v1/conversations"
 MAX_ITEMS = 20  # items one create or add call may give (OpenAI's bound)
@@ -56,19 +56,19 @@ class Update(_Wire):
 
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     PREFIX: NewConversation, PREFIX + "/{cid}": Update, PREFIX + "/{cid}/items": NewItems}
-ERRORS = error_responses(400, 401, 404, 413)
+ERRORS = error_responses(400, 401, 404, 409, 413, 503)
 
 
 def error(e: SpecdecError, body: Any = None) -> JSONResponse:
     return openai_response(e, {})
 
 
-def items_of(given: list[InputItem], store: Store) -> list[Item]:
+async def items_of(given: list[InputItem], door: Door) -> list[Item]:
     """Items as stored: with ids; an `item_reference` is the stored item it names.
 
     Raises:
-        WireError: 400 for an item missing a field its type needs; 404 for a reference to
-            an item not stored.
+        WireError: 400 for an item missing a field its type needs, or an item id twice;
+            404 for a reference to an item not stored; 503 where the store fails.
     """
     out = []
     for i, it in enumerate(given):
@@ -77,12 +77,15 @@ def items_of(given: list[InputItem], store: Store) -> list[Item]:
             raise bad_request(f"a {it.type} item needs {' and '.join(missing)}",
                               f"items[{i}].{missing[0]}")
         if it.type == "item_reference":
-            found = store.item(str(it.id))
+            found = await door.stored(door.store.item, str(it.id))
             if found is None:
                 raise not_found("item", str(it.id), f"items[{i}].id", "item_not_found")
             out.append(found)
         else:
             out.append(wire_item(it))
+    dup = first_duplicate(out)
+    if dup is not None:
+        raise bad_request(f"Duplicate item found with id {dup}.", "items")
     return out
 
 
@@ -94,15 +97,15 @@ def router(door: Door) -> APIRouter:
             raise not_found("conversation", "", None, "conversation_not_found")
         return door.store
 
-    def conversation(cid: str) -> dict[str, Any]:
-        got = store().conversation(cid)
+    async def conversation(cid: str) -> dict[str, Any]:
+        got = await door.stored(store().conversation, cid)
         if got is None:
             raise not_found("conversation", cid, None, "conversation_not_found")
         return got
 
     async def answer(work: Any) -> Response:
         try:
-            return JSONResponse(await work() if callable(work) else work)
+            return JSONResponse(await work())
         except SpecdecError as e:
             return error(e)
 
@@ -111,21 +114,22 @@ def router(door: Door) -> APIRouter:
         async def work() -> dict[str, Any]:
             body = await door.parse(http, NewConversation, admit=False)
             s = store()
-            return s.new_conversation(f"conv_{uuid.uuid4().hex}", body.metadata or {},
-                                      items_of(body.items, s))
+            items = await items_of(body.items, door)
+            return await door.stored(s.new_conversation, f"conv_{uuid.uuid4().hex}",
+                                     body.metadata or {}, items)
         return await answer(work)
 
     @api.get(PREFIX + "/{cid}", response_model=None, responses=ERRORS)
     async def retrieve(cid: str) -> Response:
         async def work() -> dict[str, Any]:
-            return conversation(cid)
+            return await conversation(cid)
         return await answer(work)
 
     @api.post(PREFIX + "/{cid}", response_model=None, responses=ERRORS)
     async def update(cid: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
             body = await door.parse(http, Update, admit=False)
-            got = store().update_conversation(cid, body.metadata)
+            got = await door.stored(store().update_conversation, cid, body.metadata)
             if got is None:
                 raise not_found("conversation", cid, None, "conversation_not_found")
             return got
@@ -134,18 +138,23 @@ def router(door: Door) -> APIRouter:
     @api.delete(PREFIX + "/{cid}", response_model=None, responses=ERRORS)
     async def delete(cid: str) -> Response:
         async def work() -> dict[str, Any]:
-            if not store().delete_conversation(cid):
+            if not await door.stored(store().delete_conversation, cid):
                 raise not_found("conversation", cid, None, "conversation_not_found")
             return {"id": cid, "object": "conversation.deleted", "deleted": True}
         return await answer(work)
+
+    async def listed(cid: str) -> list[Item]:
+        got = await door.stored(store().conversation_items, cid)
+        if got is None:
+            raise not_found("conversation", cid, None, "conversation_not_found")
+        return got
 
     @api.get(PREFIX + "/{cid}/items", response_model=None, responses=ERRORS)
     async def list_items(cid: str, after: str | None = None,
                          limit: int = Query(20, ge=1, le=100),
                          order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
         async def work() -> dict[str, Any]:
-            conversation(cid)
-            got = page(store().items_of(cid), after, limit, order)
+            got = page(await listed(cid), after, limit, order)
             if got is None:
                 raise bad_request(f"after: no item {after!r} in this conversation", "after")
             return got.wire()
@@ -155,19 +164,18 @@ def router(door: Door) -> APIRouter:
     async def add_items(cid: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
             body = await door.parse(http, NewItems, admit=False)
-            conversation(cid)
-            s = store()
-            items = items_of(body.items, s)
-            if not s.add_items(cid, items):
-                raise not_found("conversation", cid, None, "conversation_not_found")
+            await conversation(cid)
+            items = await items_of(body.items, door)
+            async with door.conversation_turn(cid, door.config.request_timeout_s):
+                if not await door.stored(store().add_items, cid, items):
+                    raise not_found("conversation", cid, None, "conversation_not_found")
             return page(items, None, len(items), "asc").wire()  # type: ignore[union-attr]
         return await answer(work)
 
     @api.get(PREFIX + "/{cid}/items/{item_id}", response_model=None, responses=ERRORS)
     async def item(cid: str, item_id: str) -> Response:
         async def work() -> dict[str, Any]:
-            conversation(cid)
-            got = next((it for it in store().items_of(cid) if it["id"] == item_id), None)
+            got = next((it for it in await listed(cid) if it["id"] == item_id), None)
             if got is None:
                 raise not_found("item", item_id, None, "item_not_found")
             return got
@@ -176,8 +184,8 @@ def router(door: Door) -> APIRouter:
     @api.delete(PREFIX + "/{cid}/items/{item_id}", response_model=None, responses=ERRORS)
     async def delete_item(cid: str, item_id: str) -> Response:
         async def work() -> dict[str, Any]:
-            found = conversation(cid)
-            if not store().delete_item(cid, item_id):
+            found = await conversation(cid)
+            if not await door.stored(store().delete_item, cid, item_id):
                 raise not_found("item", item_id, None, "item_not_found")
             return found
         return await answer(work)

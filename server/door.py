@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import re
 import reprlib
+import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -54,7 +56,7 @@ from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, Message,
 from .errors import WireError, bad_request, ref_of, wire_param
 from .fleet import Fleet, Seat
 from .metrics import Metrics
-from .store import Bounds, Store
+from .store import Bounds, Duplicate, SqliteStore, Store, TooLarge, Unavailable
 
 M = TypeVar("M", bound=BaseModel)
 B = TypeVar("B", bound=BaseModel)  # an API's body: it names `model` and `stream`
@@ -302,9 +304,14 @@ class Door:
 
     def __init__(self, fleet: Fleet, config: ServeConfig, metrics: Metrics) -> None:
         self.fleet, self.config, self.metrics = fleet, config, metrics
-        self.store = (None if config.store == "none" else
-                      Store(":memory:" if config.store == "memory" else config.store,
-                            config.store_bounds))
+        self.store: Store | None = (
+            None if config.store == "none" else
+            SqliteStore(":memory:" if config.store == "memory" else config.store,
+                        config.store_bounds))
+        # Store work runs here, one call at a time in arrival order, never on the event loop
+        # (a write that evicts, a locked file, a slow disk stall no stream).
+        self.store_thread = ThreadPoolExecutor(1, thread_name_prefix="specdec-store")
+        self.turns: dict[str, asyncio.Lock] = {}  # conversation id -> its turn in flight
         waiting = max(config.max_queue, 1)
         self.prepares = Bounded(PREPARE_WORKERS, waiting, "specdec-prepare", "prepared")
         self.parses = Bounded(PARSE_WORKERS, waiting, "specdec-parse", "read")
@@ -474,7 +481,8 @@ class Door:
         return Run(self, req, stream, http, seat, engine, greq, prepare_s=prepare_s)
 
     async def serve(self, http: HTTPRequest, body_type: type[B],
-                    request: Callable[[B], GenerateRequest], fold: Callable[[B, Run], Fold],
+                    request: Callable[[B], GenerateRequest | Awaitable[GenerateRequest]],
+                    fold: Callable[[B, Run], Fold],
                     error: Callable[[SpecdecError, B], Response]) -> Response:
         """Every API's route: parse the body, route it (a model this server does not serve
         is a 404 before the rest of the body is read), make the neutral request, open the
@@ -490,7 +498,9 @@ class Door:
         body = await self.parse(http, body_type)
         try:
             seat = self.route(body.model)  # type: ignore[attr-defined]
-            run = await self.open(request(body), http, seat)
+            made = request(body)
+            greq = await made if inspect.isawaitable(made) else made
+            run = await self.open(greq, http, seat)
             out = fold(body, run)
             headers = {**out.headers(), **request_headers(run.request)}
             if body.stream:  # type: ignore[attr-defined]
@@ -507,9 +517,54 @@ class Door:
             return Response(status_code=499)
         return JSONResponse(out.answer(), headers=headers)
 
+    def store_submit(self, fn: Callable[..., R], *args: Any, **kw: Any) -> Future[R]:
+        """Run store work on the store's thread (in order); its future."""
+        return self.store_thread.submit(fn, *args, **kw)
+
+    async def stored(self, fn: Callable[..., R], *args: Any, **kw: Any) -> R:
+        """Store work off the event loop, its failures in the API's terms: the store failing
+        is a 503 (never a 500: not the request's fault, nothing lost), a bound a 400 naming
+        it, an item id twice in one context OpenAI's 400.
+
+        Raises:
+            WireError: as above.
+        """
+        try:
+            return await asyncio.wrap_future(self.store_submit(fn, *args, **kw))
+        except TooLarge as e:
+            raise bad_request(str(e), None, "store_bound_exceeded") from None
+        except Duplicate as e:
+            raise bad_request(str(e), "input") from None
+        except (sqlite3.Error, Unavailable, OSError) as e:
+            log.error("the response store failed: %s", e)
+            self.metrics.add(store_errors_total=1)
+            raise WireError(503, f"the response store is unavailable: {e}",
+                            code="store_unavailable", headers={"Retry-After": "1"}) from None
+
+    @contextlib.asynccontextmanager
+    async def conversation_turn(self, cid: str, timeout_s: float | None
+                                ) -> AsyncIterator[None]:
+        """One turn at a time on conversation `cid`: a second waits for the first (at most
+        `timeout_s`: then a 409 naming it)."""
+        lock = self.turns.setdefault(cid, asyncio.Lock())
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout_s)
+        except asyncio.TimeoutError:
+            raise WireError(409, f"another turn on conversation {cid!r} is in progress and "
+                            f"did not end within this request's time limit ({timeout_s:g}s); "
+                            "send this turn again once it has", param="conversation",
+                            code="conversation_locked") from None
+        try:
+            yield
+        finally:
+            lock.release()
+            if not lock.locked() and not getattr(lock, "_waiters", None):
+                self.turns.pop(cid, None)
+
     def close(self) -> None:
         self.fleet.close()
         self.prepares.close()
+        self.store_thread.shutdown(wait=True)
         self.parses.close()
         if self.store is not None:
             self.store.close()
@@ -539,6 +594,7 @@ class Run:
     left: bool = False  # the client went away before the end
     closed: bool = False
     prepare_s: float = 0.0  # rendering its prompt and compiling (or finding) its grammar
+    on_close: list[Callable[[], None]] = field(default_factory=list)  # called at its end
 
     @property
     def model(self) -> str:
@@ -551,6 +607,8 @@ class Run:
         if not self.closed:
             self.closed = True
             self.door.fleet.release(self.seat)
+            for f in self.on_close:
+                f()
 
     def keep_history(self, ev: Finished) -> None:
         """Queue the prefill of the history this conversation's next request starts with

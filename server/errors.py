@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from specdec.errors import ModelsBusy, SpecdecError
 
 STATUS = {"invalid_request": 400, "unauthorized": 401, "not_found": 404, "not_allowed": 405,
-          "too_large": 413, "unavailable": 503, "timeout": 504, "internal": 500}
+          "conflict": 409, "too_large": 413, "unavailable": 503, "timeout": 504, "internal": 500}
 KIND_OF = {status: kind for kind, status in STATUS.items()}
 RETRY_AFTER_S = 1
 
@@ -93,6 +93,7 @@ def message_of(e: SpecdecError) -> str:
 OPENAI_TYPES = {"invalid_request": "invalid_request_error",
                 "unauthorized": "authentication_error", "not_found": "not_found_error",
                 "not_allowed": "invalid_request_error", "too_large": "invalid_request_error",
+                "conflict": "invalid_request_error",
                 "unavailable": "server_error", "timeout": "server_error",
                 "internal": "server_error"}
 
@@ -109,7 +110,8 @@ def openai_response(e: SpecdecError, params: Mapping[str, str]) -> JSONResponse:
 
 # -- Anthropic's shape: {"type": "error", "error": {"type", "message"}} ------------------------
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
+                   413: "request_too_large",
                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                    504: "timeout_error"}
 

@@ -27,7 +27,7 @@ class Metrics:
             "grammar_cuts_total": 0, "budget_closings_total": 0,
             "budget_steered_tokens_total": 0, "budget_unguaranteed_total": 0,
             "mask_seconds_total": 0.0, "decode_seconds_total": 0.0,
-            "requests_rejected_total": 0,
+            "requests_rejected_total": 0, "store_errors_total": 0,
             # the prompt store: requests that restored part of their prompt, and the prompt
             # positions restored and computed
             "prompt_cache_hits_total": 0, "prompt_tokens_cached_total": 0,

@@ -60,9 +60,11 @@ class ModelList(BaseModel):
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     why = {400: "invalid request (OpenAI's error shape, `param` names the field)",
            401: "missing or wrong API key", 404: "unknown model or path",
+           409: "another turn on the conversation is in progress and outlasted this "
+                "request's time limit",
            413: "request body too large",
-           503: "queue full, or the model busy or failing to load (Retry-After where a "
-                "retry can succeed)",
+           503: "queue full, the model busy or failing to load, or the response store "
+                "failing (Retry-After where a retry can succeed)",
            504: "the request's time limit passed"}
     return {c: {"model": ErrorResponse, "description": why[c]} for c in codes}
 

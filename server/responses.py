@@ -32,6 +32,7 @@ chat_template_kwargs.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 import uuid
@@ -39,12 +40,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import logging
-import sqlite3
+from concurrent.futures import Future
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from specdec.config import DEFAULT_MAX_TOKENS
 from specdec.errors import SpecdecError
 from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, ToolCallDelta
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
@@ -56,7 +58,7 @@ from .errors import WireError, bad_request, message_of, openai_body, openai_resp
 from .openapi import GENERATE_RESPONSES, error_responses, sse as sse_body
 from .responses_wire import (ConversationRef, FunctionChoice, InputItem, NEEDS, UNMODELED,
                              ResponsesRequest)
-from .store import Item, Store, page
+from .store import Item, Store, first_duplicate, page, size_of
 
 log = logging.getLogger("specdec.server")
 
@@ -103,30 +105,45 @@ def not_found(what: str, oid: str, param: str | None, code: str) -> WireError:
     return WireError(404, f"no {what} with id {oid!r} is stored here", param=param, code=code)
 
 
+TOKEN_BYTES = 64  # the most bytes one output token takes stored (JSON-escaped), for bounds
+
+
 @dataclass
 class Turn:
     """What a request continues and keeps: the items before its own input (a previous
     response's input and output, or a conversation's), its own input items (references
-    resolved, with ids), whether its response is stored, and its conversation."""
+    resolved, with ids), whether its response is stored, its conversation (and how many of
+    its items it saw), and the previous response it continues. A turn on a conversation
+    holds the conversation (`Door.conversation_turn`) until it is kept or ends (`ended`)."""
 
     prior: list[Item] = field(default_factory=list)
     own: list[Item] = field(default_factory=list)
     stored: bool = False
     conversation: str | None = None
+    upto: int | None = None
+    parent: str | None = None
+    hold: Any = None  # the conversation's turn, held (an async context manager), or None
+    kept: Future[None] | None = None  # the store's write of this turn
+    attached: bool = False  # a run carries it (its end releases the hold)
 
     @property
     def context(self) -> list[Item]:
         return self.prior + self.own
 
     @staticmethod
-    def of(body: ResponsesRequest, store: Store | None) -> Turn:
-        """The request's turn, read from the store.
+    async def of(body: ResponsesRequest, door: Door) -> Turn:
+        """The request's turn, read from the store (off the event loop); a turn on a
+        conversation first waits for the one in flight there, if any.
 
         Raises:
             WireError: 404 for an id the store does not hold; 400 where the server stores
-                nothing and the request asks for stored state, or both
-                `previous_response_id` and `conversation` are given.
+                nothing and the request asks for stored state, both `previous_response_id`
+                and `conversation` are given, an item id comes twice in the context, or
+                the turn would take its conversation or chain past the store's bound; 409
+                where the conversation's turn in flight outlasts this request's time limit;
+                503 where the store fails.
         """
+        store = door.store
         conv = body.conversation.id if isinstance(body.conversation, ConversationRef) \
             else body.conversation
         refs = [i for i, it in enumerate(body.input) if it.type == "item_reference"]
@@ -141,56 +158,89 @@ class Turn:
         if body.previous_response_id and conv:
             raise bad_request("previous_response_id and conversation cannot both be given",
                               "previous_response_id")
-        prior: list[Item] = []
-        if body.previous_response_id:
-            if store.response(body.previous_response_id) is None:
-                raise not_found("response", body.previous_response_id, "previous_response_id",
+        turn = Turn(stored=body.store is not False, conversation=conv,
+                    parent=body.previous_response_id or None)
+        if conv:
+            turn.hold = door.conversation_turn(conv, door.config.request_timeout_s)
+            await turn.hold.__aenter__()
+        try:
+            await turn._read(body, door, store)
+        except BaseException:
+            turn.ended()
+            raise
+        return turn
+
+    async def _read(self, body: ResponsesRequest, door: Door, store: Store) -> None:
+        if self.parent:
+            prior = await door.stored(store.context, self.parent)
+            if prior is None:
+                raise not_found("response", self.parent, "previous_response_id",
                                 "previous_response_not_found")
-            prior = store.items_of(body.previous_response_id)
-        elif conv:
-            if store.conversation(conv) is None:
-                raise not_found("conversation", conv, "conversation", "conversation_not_found")
-            prior = store.items_of(conv)
-        own: list[Item] = []
+            self.prior = prior
+        elif self.conversation:
+            seen = await door.stored(store.conversation_seen, self.conversation)
+            if seen is None:
+                raise not_found("conversation", self.conversation, "conversation",
+                                "conversation_not_found")
+            self.prior, self.upto = seen
         for i, it in enumerate(body.input):
             if it.type != "item_reference":
-                own.append(wire_item(it))
+                self.own.append(wire_item(it))
                 continue
             if not it.id:
                 raise bad_request("an item_reference item needs id", f"input[{i}].id")
-            found = store.item(it.id)
+            found = await door.stored(store.item, it.id)
             if found is None:
                 raise not_found("item", it.id, f"input[{i}].id", "item_not_found")
-            own.append(found)
-        return Turn(prior, own, body.store is not False, conv)
-
-    @staticmethod
-    def read(body: ResponsesRequest, store: Store | None) -> Turn:
-        """`Turn.of`, a store that fails being a 503 (not a fault of the request)."""
-        try:
-            return Turn.of(body, store)
-        except sqlite3.Error as e:
-            log.exception("the response store failed")
-            raise WireError(503, f"the response store is unavailable: {e}",
-                            code="store_unavailable") from e
+            self.own.append(found)
+        dup = first_duplicate(self.context)
+        if dup is not None:
+            raise bad_request(f"Duplicate item found with id {dup}.", "input")
+        if self.stored or self.conversation:
+            # The most this turn can add to its unit: its own items and its output (twice
+            # in a conversation: the response's and the conversation's), the response.
+            out = (body.max_output_tokens or DEFAULT_MAX_TOKENS) * TOKEN_BYTES + 4096
+            own = size_of(self.own)
+            adding = (own + out) * (1 + bool(self.conversation) * self.stored) + len(
+                body.model_dump_json(exclude={"input"}, exclude_none=True))
+            await door.stored(store.check_room, self.parent or self.conversation, adding)
 
     def body(self, body: ResponsesRequest) -> ResponsesRequest:
         """The request with its whole context as its input."""
         return body.model_copy(update={"input": [InputItem.model_validate(it)
                                                  for it in self.context]})
 
-    def keep(self, store: Store | None, response: dict[str, Any]) -> None:
-        """Keep a finished response (where stored) and add its items to its conversation.
-        A store that fails is logged: the answer is still given."""
-        if store is None:
+    def keep(self, door: Door, response: dict[str, Any]) -> None:
+        """Keep a finished turn in one store transaction (`Store.put_turn`), on the store's
+        thread, in order: a read after the answer sees it. A store that fails is logged
+        (and counted): the answer is still given."""
+        store = door.store
+        if store is None or (not self.stored and self.conversation is None):
+            self.ended()
             return
-        try:
-            if self.stored:
-                store.put_response(response, self.context)
-            if self.conversation is not None:
-                store.add_items(self.conversation, self.own + list(response["output"]))
-        except sqlite3.Error:
-            log.exception("response %s was not stored", response.get("id"))
+        self.kept = door.store_submit(store.put_turn, response, self.own, stored=self.stored,
+                                      parent=self.parent, conversation=self.conversation,
+                                      upto=self.upto)
+
+        def done(f: Future[None]) -> None:
+            if f.exception() is not None:
+                log.error("response %s was not stored: %s", response.get("id"), f.exception())
+                door.metrics.add(store_errors_total=1)
+
+        self.kept.add_done_callback(done)
+        self.ended()
+
+    def ended(self) -> None:
+        """The turn is over: release its conversation once its write (if any) is done."""
+        hold, self.hold = self.hold, None
+        if hold is None:
+            return
+        if self.kept is None or self.kept.done():
+            asyncio.ensure_future(hold.__aexit__(None, None, None))
+            return
+        loop = asyncio.get_running_loop()
+        self.kept.add_done_callback(lambda _: loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(hold.__aexit__(None, None, None))))
 
 
 def messages(body: ResponsesRequest) -> tuple[Message, ...]:
@@ -288,7 +338,7 @@ class Writer(Fold):
     head: dict[str, Any]
     run: Run
     turn: Turn = field(default_factory=Turn)
-    store: Store | None = None
+    door: Door | None = None  # where the finished turn is kept
     items: list[dict[str, Any]] = field(default_factory=list)
     seq: int = 0
     open: dict[str, Any] | None = None
@@ -298,9 +348,9 @@ class Writer(Fold):
 
     @classmethod
     def of(cls, body: ResponsesRequest, run: Run, turn: Turn | None = None,
-           store: Store | None = None) -> Writer:
+           door: Door | None = None) -> Writer:
         turn = turn or Turn()
-        return cls(head(body, run, turn), run, turn, store)
+        return cls(head(body, run, turn), run, turn, door)
 
     def opening(self) -> list[SSEEvent]:
         return [self.response("response.created"), self.response("response.in_progress")]
@@ -408,7 +458,8 @@ class Writer(Fold):
                                  completed_at=int(time.time()))
         last[1].update(rest_sources(self.run, ev, self.carried))
         self.final = last[1]["response"]
-        self.turn.keep(self.store, self.final)
+        if self.door is not None:
+            self.turn.keep(self.door, self.final)
         return out + [last]
 
     def _fail(self, ev: Failed) -> list[SSEEvent]:
@@ -450,47 +501,62 @@ def listing(items: list[Item] | None, after: str | None, limit: int, order: str,
 def router(door: Door) -> APIRouter:
     api = APIRouter()
 
-    def request(body: ResponsesRequest) -> GenerateRequest:
-        body.turn = Turn.read(body, door.store)
-        resolved = body.turn.prior or any(it.type == "item_reference" for it in body.input)
-        greq = to_request(body.turn.body(body) if resolved else body)
-        # A stored turn is one a next turn continues by id: its answer is kept for it.
-        return replace(greq, continues=True) if body.turn.stored else greq
-
-    def fold(body: ResponsesRequest, run: Run) -> Writer:
-        return Writer.of(body, run, body.turn, door.store)
-
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: Request) -> Response:
-        return await door.serve(http, ResponsesRequest, request, fold, error)
+        turns: list[Turn] = []
 
-    def stored(rid: str) -> dict[str, Any]:
-        got = door.store.response(rid) if door.store is not None else None
+        async def request(body: ResponsesRequest) -> GenerateRequest:
+            body.turn = await Turn.of(body, door)
+            turns.append(body.turn)
+            resolved = body.turn.prior or any(it.type == "item_reference"
+                                              for it in body.input)
+            greq = to_request(body.turn.body(body) if resolved else body)
+            # A stored turn is one a next turn continues by id: its answer is kept for it.
+            return replace(greq, continues=True) if body.turn.stored else greq
+
+        def fold(body: ResponsesRequest, run: Run) -> Writer:
+            body.turn.attached = True
+            run.on_close.append(body.turn.ended)  # (however the run ends)
+            return Writer.of(body, run, body.turn, door)
+
+        try:
+            return await door.serve(http, ResponsesRequest, request, fold, error)
+        finally:
+            for t in turns:
+                if not t.attached:  # refused before it ran
+                    t.ended()
+
+    async def stored(rid: str) -> dict[str, Any]:
+        got = await door.stored(door.store.response, rid) if door.store is not None else None
         if got is None:
             raise not_found("response", rid, None, "response_not_found")
         return got
 
-    @api.get(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404))
+    @api.get(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404, 503))
     async def retrieve(rid: str) -> Response:
         try:
-            return JSONResponse(stored(rid))
+            return JSONResponse(await stored(rid))
         except SpecdecError as e:
             return error(e)
 
-    @api.delete(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404))
+    @api.delete(PREFIX + "/{rid}", response_model=None,
+                responses=error_responses(401, 404, 503))
     async def delete(rid: str) -> Response:
-        if door.store is None or not door.store.delete_response(rid):
-            return error(not_found("response", rid, None, "response_not_found"))
+        try:
+            if door.store is None or not await door.stored(door.store.delete_response, rid):
+                return error(not_found("response", rid, None, "response_not_found"))
+        except SpecdecError as e:
+            return error(e)
         return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     @api.get(PREFIX + "/{rid}/input_items", response_model=None,
-             responses=error_responses(400, 401, 404))
+             responses=error_responses(400, 401, 404, 503))
     async def input_items(rid: str, after: str | None = None,
                           limit: int = Query(20, ge=1, le=100),
                           order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
         try:
-            items = door.store.items_of(rid, "input") if door.store is not None and \
-                door.store.response(rid) is not None else None
+            items = await door.stored(door.store.input_items, rid) \
+                if door.store is not None else None
             return JSONResponse(listing(items, after, limit, order, "response", rid,
                                         "response_not_found"))
         except SpecdecError as e:

@@ -1,20 +1,33 @@
-"""What the Responses API keeps between requests: stored responses (their input items and
-output), and conversations (their items), in an embedded SQLite database (Python's own
-`sqlite3`): a file that survives restarts (`specdec serve --store PATH`, by default
-`responses.sqlite3` in the cache directory, `$SPECDEC_CACHE`), or memory (`--store memory`).
+"""What the Responses API keeps between requests: stored responses and conversations.
 
-Bounded by age, count and bytes (`--store-max-age`, `--store-max-count`, `--store-max-mb`):
-past a bound, the least recently written responses and conversations go first.
+`Store` is the interface the routes use (one backend now: `SqliteStore`, Python's own
+`sqlite3`, in a file that survives restarts, `specdec serve --store PATH`, by default
+`responses.sqlite3` in the cache directory, `$SPECDEC_CACHE`, or in memory, `--store
+memory`). Its guarantees, whatever the backend:
 
-An item is stored in its wire form (a dict, as `GET .../input_items` returns it) with its
-id. A response's items are its *input* (the whole context it answered: a previous
-response's input and output, a conversation's items, then its own input) and its *output*;
-a conversation's are its items in order. Thread-safe (one connection, one lock).
+- **A turn is one transaction**: a response, its items and its conversation's new items are
+  stored together or not at all (`put_turn`).
+- **Linear growth**: a response stores what it added (its own input items, its output once)
+  and a link to what it continued (its previous response, or the conversation and how many
+  of its items it saw); its context is rebuilt by following the links.
+- **Bounds**: every chain of responses (a first response and all that continue it) and every
+  conversation (with the responses made in it) is one *unit*, at most `max_object_bytes`
+  (a request that would make its unit larger is refused before any work, `check_room`);
+  the store keeps at most `max_bytes` and `max_count` objects, evicting whole units, least
+  recently used first (a read is a use), never the unit being written; a unit unused for
+  `max_age_s` is gone (on every read and write).
+- **Deletes act on their own kind**: deleting a response or a conversation deletes that
+  object's own items; what continued it no longer sees them (gone everywhere).
+- **Duplicate item ids** in one context are refused (`Duplicate`).
+
+An item is stored in its wire form (a dict, as `GET .../input_items` returns it) with its id.
+Thread-safe (one connection, one lock); the server calls it off its event loop.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -24,12 +37,19 @@ from typing import Any
 
 Item = dict[str, Any]
 
+SCHEMA_VERSION = 2  # `PRAGMA user_version`; 0 with tables: the first release's layout (v1)
 SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS units (
+    id TEXT PRIMARY KEY, used REAL NOT NULL, bytes INTEGER NOT NULL, objects INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS units_by_use ON units (used);
 CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY, written REAL NOT NULL, body TEXT NOT NULL, bytes INTEGER NOT NULL);
+    id TEXT PRIMARY KEY, unit TEXT NOT NULL, parent TEXT, conversation TEXT, upto INTEGER,
+    created REAL NOT NULL, bytes INTEGER NOT NULL, body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_by_unit ON responses (unit);
 CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY, created INTEGER NOT NULL, written REAL NOT NULL,
-    metadata TEXT NOT NULL, bytes INTEGER NOT NULL);
+    id TEXT PRIMARY KEY, created INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    next INTEGER NOT NULL, metadata TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS items (
     owner TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, part TEXT NOT NULL,
     item TEXT NOT NULL, PRIMARY KEY (owner, seq));
@@ -37,16 +57,50 @@ CREATE INDEX IF NOT EXISTS items_by_id ON items (id);
 """
 
 DAY = 86400.0
+MB = 1 << 20
 
 
 @dataclass(frozen=True)
 class Bounds:
-    """How much the store keeps: responses and conversations written less than `max_age_s`
-    ago, at most `max_count` of them, at most `max_bytes` of their JSON (None: no bound)."""
+    """How much the store keeps: units (a chain of responses, a conversation) used less
+    than `max_age_s` ago, at most `max_count` responses and conversations, at most
+    `max_bytes` of their JSON, each unit at most `max_object_bytes` (None: no bound; the
+    unit bound defaults to the smaller of 64 MB and `max_bytes`)."""
 
     max_age_s: float | None = 30 * DAY
     max_count: int | None = 10_000
     max_bytes: int | None = 1 << 30
+    max_object_bytes: int | None = None
+
+    @property
+    def unit_bytes(self) -> int | None:
+        if self.max_object_bytes is not None:
+            return self.max_object_bytes
+        return min(64 * MB, self.max_bytes) if self.max_bytes is not None else 64 * MB
+
+
+class StoreError(Exception):
+    """A store refused a write (`TooLarge`, `Duplicate`)."""
+
+
+class TooLarge(StoreError):
+    """The write would take a unit past its bound; `bound` the bound in bytes."""
+
+    def __init__(self, message: str, bound: int) -> None:
+        super().__init__(message)
+        self.bound = bound
+
+
+class Duplicate(StoreError):
+    """An item id twice in one context; `item_id` the id."""
+
+    def __init__(self, item_id: str) -> None:
+        super().__init__(f"Duplicate item found with id {item_id}.")
+        self.item_id = item_id
+
+
+class Unavailable(Exception):
+    """The store failed (its file, its lock, its disk): not the request's fault."""
 
 
 @dataclass(frozen=True)
@@ -76,183 +130,592 @@ def page(items: list[Item], after: str | None, limit: int, order: str) -> Page |
     return Page(seq[start:start + limit], start + limit < len(seq))
 
 
+def first_duplicate(items: list[Item]) -> str | None:
+    """The first item id `items` hold twice (None: none)."""
+    seen: set[str] = set()
+    for it in items:
+        iid = it.get("id")
+        if iid in seen:
+            return iid
+        if iid is not None:
+            seen.add(iid)
+    return None
+
+
+def size_of(items: list[Item]) -> int:
+    """Bytes `items` take stored."""
+    return sum(len(json.dumps(it)) for it in items)
+
+
 class Store:
-    """The database; `path` a file, or ":memory:"."""
+    """The interface every backend implements (see the module's guarantees). Reads of a
+    response or conversation count as a use of its unit; `None`/`False`: not stored (never
+    stored, deleted, evicted or expired)."""
+
+    bounds: Bounds
+
+    def check_room(self, unit_of: str | None, adding: int) -> None:
+        """Raise `TooLarge` where adding `adding` bytes to the unit `unit_of` (a response
+        or conversation id; None: a new unit) would take it past its bound."""
+        raise NotImplementedError
+
+    def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
+                 parent: str | None = None, conversation: str | None = None,
+                 upto: int | None = None) -> None:
+        """Keep a finished turn in one transaction: the response (where `stored`: its
+        object, its own input items `own`, its `output`, continuing `parent` or the first
+        `upto` items of `conversation`) and, where in a conversation, `own` and the output
+        appended to it. Raises `TooLarge`, `Duplicate`."""
+        raise NotImplementedError
+
+    def response(self, rid: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def context(self, rid: str) -> list[Item] | None:
+        """What a request continuing response `rid` starts from: its input and output."""
+        raise NotImplementedError
+
+    def input_items(self, rid: str) -> list[Item] | None:
+        """A response's whole input (what it continued, then its own), in order."""
+        raise NotImplementedError
+
+    def delete_response(self, rid: str) -> bool:
+        raise NotImplementedError
+
+    def item(self, item_id: str) -> Item | None:
+        """A stored item by its id (the latest written where several objects hold it)."""
+        raise NotImplementedError
+
+    def new_conversation(self, cid: str, metadata: dict[str, Any], items: list[Item]
+                         ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def conversation(self, cid: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def conversation_items(self, cid: str) -> list[Item] | None:
+        """A conversation's items in order, with how many it has seen (`upto` for a turn)."""
+        raise NotImplementedError
+
+    def update_conversation(self, cid: str, metadata: dict[str, Any]
+                            ) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def delete_conversation(self, cid: str) -> bool:
+        raise NotImplementedError
+
+    def add_items(self, cid: str, items: list[Item]) -> bool:
+        """Append items (False: no such conversation). Raises `TooLarge`, `Duplicate`."""
+        raise NotImplementedError
+
+    def delete_item(self, cid: str, item_id: str) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, int]:
+        """How many responses and conversations are kept, and their bytes."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def _private(path: str) -> None:
+    """The database file and its WAL and shared-memory files: owner only, whether new or
+    there before (they hold every stored prompt)."""
+    for p in (path, path + "-wal", path + "-shm"):
+        try:
+            os.chmod(p, 0o600)
+        except FileNotFoundError:
+            pass
+
+
+class SqliteStore(Store):
+    """The SQLite backend; `path` a file, or ":memory:". A file written by an earlier
+    release is migrated on open (`SCHEMA_VERSION`); one written by a later release is
+    refused."""
+
+    FAULT_ENV = "SPECDEC_STORE_FAULT"  # "pause-in-turn": a turn stops inside its transaction
 
     def __init__(self, path: str | Path = ":memory:", bounds: Bounds = Bounds()) -> None:
         self.path, self.bounds = str(path), bounds
+        self._fault = os.environ.get(self.FAULT_ENV, "")
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.path).touch(mode=0o600)  # (it holds every stored prompt: owner only)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30,
+            old = os.umask(0o077)
+            try:
+                Path(self.path).touch(mode=0o600)
+            finally:
+                os.umask(old)
+            _private(self.path)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=5,
                                    isolation_level=None)
         self._lock = threading.Lock()
         with self._lock:
+            # (before anything writes the file's first page: a new file gives the space
+            # deletes free back to the file system; on an existing one, a no-op)
+            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             if self.path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(SCHEMA)
+                _private(self.path)
+            self._db.execute("PRAGMA synchronous=NORMAL" if self.path != ":memory:"
+                             else "PRAGMA synchronous=OFF")
+            self._open()
+
+    # -- opening and migrating ----------------------------------------------------------
+    def _open(self) -> None:
+        db = self._db
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version > SCHEMA_VERSION:
+            raise Unavailable(f"the store {self.path} was written by a later release (schema "
+                              f"{version}; this one reads up to {SCHEMA_VERSION})")
+        if version == SCHEMA_VERSION:
+            return
+        if not tables:
+            db.executescript(SCHEMA)
+            self._begin()
+            self._set_totals(0, 0)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("COMMIT")
+            return
+        self._migrate_v1()
+
+    def _migrate_v1(self) -> None:
+        """The first release's layout: a response's items held its whole context; no units.
+        Each response becomes a unit of its own (its items as they were), each conversation
+        one; then the file is compacted with incremental vacuum on."""
+        db = self._db
+        self._begin()
+        try:
+            db.execute("ALTER TABLE responses RENAME TO responses_v1")
+            db.execute("ALTER TABLE conversations RENAME TO conversations_v1")
+            for stmt in SCHEMA.split(";"):  # (the items table is the same)
+                if stmt.strip():
+                    db.execute(stmt)
+            for rid, written, body, size in db.execute(
+                    "SELECT id, written, body, bytes FROM responses_v1").fetchall():
+                obj = json.loads(body)
+                obj.pop("output", None)
+                db.execute("INSERT INTO responses VALUES (?, ?, NULL, NULL, NULL, ?, ?, ?)",
+                           (rid, rid, written, size, json.dumps(obj)))
+                db.execute("INSERT INTO units VALUES (?, ?, ?, 1)", (rid, written, size))
+            for cid, created, written, meta, size in db.execute(
+                    "SELECT id, created, written, metadata, bytes FROM conversations_v1"
+                    ).fetchall():
+                nxt = db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM items WHERE owner = ?",
+                                 (cid,)).fetchone()[0]
+                db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?)",
+                           (cid, created, size, nxt, meta))
+                db.execute("INSERT INTO units VALUES (?, ?, ?, 1)", (cid, written, size))
+            db.execute("DROP TABLE responses_v1")
+            db.execute("DROP TABLE conversations_v1")
+            n, b = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM units").fetchone()
+            self._set_totals(n, b)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        db.execute("VACUUM")  # (auto_vacuum takes effect on an existing file by a vacuum)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    # -- transactions -------------------------------------------------------------------
+    def _begin(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def _write(self) -> Any:
+        """The lock and one transaction (committed, or rolled back on any error)."""
+        store = self
+
+        class _W:
+            def __enter__(self) -> None:
+                store._lock.acquire()
+                try:
+                    store._begin()
+                except BaseException:
+                    store._lock.release()
+                    raise
+
+            def __exit__(self, kind: Any, *_: Any) -> None:
+                db = store._db
+                try:
+                    if kind is None:
+                        try:
+                            db.execute("COMMIT")
+                        except sqlite3.Error:  # (a full disk, another process's lock)
+                            db.execute("ROLLBACK")
+                            raise
+                        if store._freed:
+                            store._freed = False
+                            db.executescript("PRAGMA incremental_vacuum")  # (run to its end)
+                    else:
+                        db.execute("ROLLBACK")
+                finally:
+                    store._lock.release()
+
+        return _W()
+
+    _freed = False  # a transaction dropped something: give the pages back after it
+
+    # -- totals and units ---------------------------------------------------------------
+    def _set_totals(self, objects: int, nbytes: int) -> None:
+        self._db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                             (("objects", objects), ("bytes", nbytes)))
+
+    def _totals(self) -> tuple[int, int]:
+        rows = dict(self._db.execute("SELECT key, value FROM meta WHERE key IN "
+                                     "('objects', 'bytes')").fetchall())
+        return rows.get("objects", 0), rows.get("bytes", 0)
+
+    def _add_totals(self, objects: int, nbytes: int) -> None:
+        self._db.execute("UPDATE meta SET value = value + ? WHERE key = 'objects'", (objects,))
+        self._db.execute("UPDATE meta SET value = value + ? WHERE key = 'bytes'", (nbytes,))
+
+    def _grow(self, unit: str, nbytes: int, objects: int) -> None:
+        """Count `nbytes` and `objects` into `unit` (made where new) and the totals; the
+        unit is used now."""
+        self._db.execute("INSERT INTO units VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE "
+                         "SET used = excluded.used, bytes = bytes + excluded.bytes, "
+                         "objects = objects + excluded.objects",
+                         (unit, time.time(), nbytes, objects))
+        self._add_totals(objects, nbytes)
+
+    def _shrink(self, unit: str, nbytes: int, objects: int) -> None:
+        self._db.execute("UPDATE units SET bytes = bytes - ?, objects = objects - ? "
+                         "WHERE id = ?", (nbytes, objects, unit))
+        self._db.execute("DELETE FROM units WHERE id = ? AND objects <= 0", (unit,))
+        self._add_totals(-objects, -nbytes)
+        self._freed = True
+
+    def _unit_of(self, oid: str) -> str | None:
+        row = self._db.execute("SELECT unit FROM responses WHERE id = ?", (oid,)).fetchone()
+        if row is not None:
+            return row[0]
+        row = self._db.execute("SELECT id FROM conversations WHERE id = ?", (oid,)).fetchone()
+        return row[0] if row is not None else None
+
+    def _expired(self) -> float | None:
+        return time.time() - self.bounds.max_age_s if self.bounds.max_age_s is not None \
+            else None
+
+    def _live(self, oid: str) -> str | None:
+        """`oid`'s unit where it is stored and its unit not past its age (an expired unit
+        is dropped here); None: not stored."""
+        unit = self._unit_of(oid)
+        if unit is None:
+            return None
+        cut = self._expired()
+        if cut is not None:
+            row = self._db.execute("SELECT used FROM units WHERE id = ?", (unit,)).fetchone()
+            if row is not None and row[0] < cut:
+                self._drop_unit(unit)
+                return None
+        return unit
+
+    def _use(self, unit: str) -> None:
+        self._db.execute("UPDATE units SET used = ? WHERE id = ?", (time.time(), unit))
+
+    def _drop_unit(self, unit: str) -> None:
+        """A whole unit: its responses, its conversation, their items."""
+        db = self._db
+        db.execute("DELETE FROM items WHERE owner IN (SELECT id FROM responses WHERE unit = ?)",
+                   (unit,))
+        db.execute("DELETE FROM items WHERE owner = ?", (unit,))
+        db.execute("DELETE FROM responses WHERE unit = ?", (unit,))
+        db.execute("DELETE FROM conversations WHERE id = ?", (unit,))
+        row = db.execute("SELECT bytes, objects FROM units WHERE id = ?", (unit,)).fetchone()
+        db.execute("DELETE FROM units WHERE id = ?", (unit,))
+        if row is not None:
+            self._add_totals(-row[1], -row[0])
+        self._freed = True
+
+    def _make_room(self, keep: str | None) -> None:
+        """Drop whole units past the bounds, the least recently used first, never `keep`:
+        those past their age, then while over the count or byte bound. Each step reads one
+        row of an index: the work is what is dropped."""
+        b, db = self.bounds, self._db
+        cut = self._expired()
+        while cut is not None:
+            row = db.execute("SELECT id FROM units WHERE used < ? AND id IS NOT ? "
+                             "ORDER BY used LIMIT 1", (cut, keep)).fetchone()
+            if row is None:
+                break
+            self._drop_unit(row[0])
+        while True:
+            objects, nbytes = self._totals()
+            if not ((b.max_count is not None and objects > b.max_count)
+                    or (b.max_bytes is not None and nbytes > b.max_bytes)):
+                return
+            row = db.execute("SELECT id FROM units WHERE id IS NOT ? ORDER BY used LIMIT 1",
+                             (keep,)).fetchone()
+            if row is None:
+                return  # only the unit being written is left
+            self._drop_unit(row[0])
+
+    def _room(self, unit: str | None, adding: int) -> None:
+        bound = self.bounds.unit_bytes
+        if bound is None:
+            return
+        have = 0
+        if unit is not None:
+            row = self._db.execute("SELECT bytes FROM units WHERE id = ?", (unit,)).fetchone()
+            have = row[0] if row else 0
+        if have + adding > bound:
+            what = "conversation" if unit is not None and unit.startswith("conv_") else \
+                "chain of responses"
+            raise TooLarge(f"this would make its {what} {have + adding} bytes, over the store's "
+                           f"bound of {bound} bytes per conversation or chain (specdec serve "
+                           "--store-max-object-mb): start a new one", bound)
+
+    def check_room(self, unit_of: str | None, adding: int) -> None:
+        with self._lock:
+            unit = self._unit_of(unit_of) if unit_of is not None else None
+            self._room(unit, adding)
+
     # -- responses ----------------------------------------------------------------------
-    def put_response(self, response: dict[str, Any], context: list[Item]) -> None:
-        """Keep a finished response (its object, whose `output` are its output items) and
-        the context it answered (its input items, with ids)."""
-        body = json.dumps(response)
-        rows = [(response["id"], n, it["id"], "input", json.dumps(it))
-                for n, it in enumerate(context)]
-        rows += [(response["id"], len(context) + n, it["id"], "output", json.dumps(it))
-                 for n, it in enumerate(response.get("output") or [])]
+    def _pause(self) -> None:
+        """The fault hook: a turn that stops inside its transaction (the tests kill the
+        server there)."""
+        if self._fault == "pause-in-turn":
+            Path(self.path + ".paused").touch()
+            time.sleep(3600)
+
+    def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
+                 parent: str | None = None, conversation: str | None = None,
+                 upto: int | None = None) -> None:
+        rid = response["id"]
+        output = list(response.get("output") or [])
+        body = json.dumps({k: v for k, v in response.items() if k != "output"})
+        rows = [(rid, n, it["id"], "input", json.dumps(it)) for n, it in enumerate(own)]
+        rows += [(rid, len(own) + n, it["id"], "output", json.dumps(it))
+                 for n, it in enumerate(output)]
         size = len(body) + sum(len(r[4]) for r in rows)
-        if self.bounds.max_bytes is not None and size > self.bounds.max_bytes:
-            raise sqlite3.DataError(f"response {response['id']} takes {size} bytes, over the "
-                                    f"store's bound ({self.bounds.max_bytes})")
-        with self._lock, self._transaction():
-            self._drop("responses", response["id"])
-            self._db.execute("INSERT INTO responses VALUES (?, ?, ?, ?)",
-                             (response["id"], time.time(), body, size))
-            self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
-            self._evict()
+        with self._write():
+            db = self._db
+            unit = None
+            # What it continued, where still stored (deleted meanwhile: the response
+            # starts a unit of its own; a conversation deleted meanwhile gets nothing).
+            if conversation is not None and self._conversation(conversation) is None:
+                conversation = None
+            unit = conversation or (self._live(parent) if parent is not None else None) or rid
+            added = (size if stored else 0)
+            conv_rows: list[tuple[Any, ...]] = []
+            if conversation is not None:
+                nxt = db.execute("SELECT next FROM conversations WHERE id = ?",
+                                 (conversation,)).fetchone()[0]
+                conv_rows = [(conversation, nxt + n, it["id"], "item", json.dumps(it))
+                             for n, it in enumerate(own + output)]
+                added += sum(len(r[4]) for r in conv_rows)
+            self._room(unit if unit != rid else None, added)
+            if stored:
+                db.execute("DELETE FROM items WHERE owner = ?", (rid,))
+                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           (rid, unit, parent, conversation, upto, time.time(), size, body))
+                db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
+                self._grow(unit, size, 1)
+            self._pause()
+            if conv_rows:
+                db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", conv_rows)
+                grown = sum(len(r[4]) for r in conv_rows)
+                db.execute("UPDATE conversations SET next = next + ?, bytes = bytes + ? "
+                           "WHERE id = ?", (len(conv_rows), grown, conversation))
+                self._grow(unit, grown, 0)
+            self._make_room(unit)
 
     def response(self, rid: str) -> dict[str, Any] | None:
-        with self._lock:
-            row = self._db.execute("SELECT body FROM responses WHERE id = ?",
-                                   (rid,)).fetchone()
-        return json.loads(row[0]) if row else None
+        with self._write():
+            row = self._db.execute("SELECT body FROM responses WHERE id = ?", (rid,)).fetchone()
+            unit = self._live(rid) if row is not None else None
+            if unit is None:
+                return None
+            self._use(unit)
+            out = json.loads(row[0])
+            out["output"] = [json.loads(r[0]) for r in self._db.execute(
+                "SELECT item FROM items WHERE owner = ? AND part = 'output' ORDER BY seq",
+                (rid,))]
+            return out
 
-    def items_of(self, owner: str, part: str | None = None) -> list[Item]:
-        """A response's items (`part` "input" or "output"; None: both, input first) or a
-        conversation's, in order."""
-        q = "SELECT item FROM items WHERE owner = ?" + (" AND part = ?" if part else "")
-        with self._lock:
-            rows = self._db.execute(q + " ORDER BY seq", (owner, part) if part else (owner,))
-            return [json.loads(r[0]) for r in rows.fetchall()]
+    def _chain(self, rid: str) -> list[tuple[str, str | None, int | None]]:
+        """The responses `rid` continues and itself, oldest first: (id, conversation, upto);
+        the walk stops at a response no longer stored."""
+        return [tuple(r) for r in self._db.execute(  # type: ignore[misc]
+            "WITH RECURSIVE chain(id, parent, conversation, upto, depth) AS ("
+            " SELECT id, parent, conversation, upto, 0 FROM responses WHERE id = ?"
+            " UNION ALL SELECT r.id, r.parent, r.conversation, r.upto, c.depth + 1"
+            " FROM responses r JOIN chain c ON r.id = c.parent)"
+            " SELECT id, conversation, upto FROM chain ORDER BY depth DESC", (rid,))]
+
+    def _items(self, owner: str, part: str | None = None, below: int | None = None
+               ) -> list[Item]:
+        q, args = "SELECT item FROM items WHERE owner = ?", [owner]
+        if part is not None:
+            q += " AND part = ?"
+            args.append(part)
+        if below is not None:
+            q += " AND seq < ?"
+            args.append(below)
+        return [json.loads(r[0]) for r in self._db.execute(q + " ORDER BY seq", args)]
+
+    def _input(self, rid: str, with_output: bool) -> list[Item] | None:
+        known = self._db.execute("SELECT 1 FROM responses WHERE id = ?", (rid,)).fetchone()
+        unit = self._live(rid) if known is not None else None
+        if unit is None:
+            return None
+        self._use(unit)
+        out: list[Item] = []
+        chain = self._chain(rid)
+        for n, (oid, conv, upto) in enumerate(chain):
+            if conv is not None and upto is not None:
+                out += self._items(conv, below=upto)
+            out += self._items(oid, "input")
+            if n < len(chain) - 1 or with_output:
+                out += self._items(oid, "output")
+        return out
+
+    def context(self, rid: str) -> list[Item] | None:
+        with self._write():
+            return self._input(rid, with_output=True)
+
+    def input_items(self, rid: str) -> list[Item] | None:
+        with self._write():
+            return self._input(rid, with_output=False)
 
     def delete_response(self, rid: str) -> bool:
-        with self._lock, self._transaction():
-            return self._drop("responses", rid)
+        with self._write():
+            row = self._db.execute("SELECT unit, bytes FROM responses WHERE id = ?",
+                                   (rid,)).fetchone()
+            if row is None or self._live(rid) is None:
+                return False
+            self._db.execute("DELETE FROM responses WHERE id = ?", (rid,))
+            self._db.execute("DELETE FROM items WHERE owner = ?", (rid,))
+            self._shrink(row[0], row[1], 1)
+            return True
 
     def item(self, item_id: str) -> Item | None:
-        """A stored item by its id (the latest written where several owners hold it)."""
-        with self._lock:
-            row = self._db.execute("SELECT item FROM items WHERE id = ? ORDER BY rowid DESC "
-                                   "LIMIT 1", (item_id,)).fetchone()
-        return json.loads(row[0]) if row else None
+        with self._write():
+            for owner, item in self._db.execute(
+                    "SELECT owner, item FROM items WHERE id = ? ORDER BY rowid DESC",
+                    (item_id,)).fetchall():
+                if self._live(owner) is not None:
+                    return json.loads(item)
+            return None
 
     # -- conversations ------------------------------------------------------------------
     def new_conversation(self, cid: str, metadata: dict[str, Any], items: list[Item]
                          ) -> dict[str, Any]:
         meta = json.dumps(metadata)
-        with self._lock, self._transaction():
+        dup = first_duplicate(items)
+        if dup is not None:
+            raise Duplicate(dup)
+        rows = [(cid, n, it["id"], "item", json.dumps(it)) for n, it in enumerate(items)]
+        size = len(meta) + sum(len(r[4]) for r in rows)
+        with self._write():
+            self._room(None, size)
             self._db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?)",
-                             (cid, int(time.time()), time.time(), meta, len(meta)))
-            self._append(cid, items)
-            self._evict()
-        return self.conversation(cid) or {}
+                             (cid, int(time.time()), size, len(rows), meta))
+            self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
+            self._grow(cid, size, 1)
+            self._make_room(cid)
+        return {"id": cid, "object": "conversation", "created_at": int(time.time()),
+                "metadata": metadata}
 
-    def conversation(self, cid: str) -> dict[str, Any] | None:
-        with self._lock:
-            row = self._db.execute("SELECT created, metadata FROM conversations WHERE id = ?",
-                                   (cid,)).fetchone()
-        if row is None:
+    def _conversation(self, cid: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT created, metadata FROM conversations WHERE id = ?",
+                               (cid,)).fetchone()
+        if row is None or self._live(cid) is None:
             return None
+        self._use(cid)
         return {"id": cid, "object": "conversation", "created_at": row[0],
                 "metadata": json.loads(row[1])}
 
-    def update_conversation(self, cid: str, metadata: dict[str, Any]) -> dict[str, Any] | None:
-        meta = json.dumps(metadata)
-        with self._lock, self._transaction():
-            cur = self._db.execute("UPDATE conversations SET metadata = ?, written = ?, "
-                                   "bytes = bytes - length(metadata) + ? WHERE id = ?",
-                                   (meta, time.time(), len(meta), cid))
-            if not cur.rowcount:
+    def conversation(self, cid: str) -> dict[str, Any] | None:
+        with self._write():
+            return self._conversation(cid)
+
+    def conversation_items(self, cid: str) -> list[Item] | None:
+        with self._write():
+            if self._conversation(cid) is None:
                 return None
-        return self.conversation(cid)
+            return self._items(cid)
+
+    def conversation_seen(self, cid: str) -> tuple[list[Item], int] | None:
+        """A conversation's items and the position after them (what a turn saw)."""
+        with self._write():
+            if self._conversation(cid) is None:
+                return None
+            nxt = self._db.execute("SELECT next FROM conversations WHERE id = ?",
+                                   (cid,)).fetchone()[0]
+            return self._items(cid), nxt
+
+    def update_conversation(self, cid: str, metadata: dict[str, Any]
+                            ) -> dict[str, Any] | None:
+        meta = json.dumps(metadata)
+        with self._write():
+            if self._conversation(cid) is None:
+                return None
+            old = self._db.execute("SELECT length(metadata) FROM conversations WHERE id = ?",
+                                   (cid,)).fetchone()[0]
+            self._room(cid, len(meta) - old)
+            self._db.execute("UPDATE conversations SET metadata = ?, bytes = bytes + ? "
+                             "WHERE id = ?", (meta, len(meta) - old, cid))
+            self._grow(cid, len(meta) - old, 0)
+            return self._conversation(cid)
 
     def delete_conversation(self, cid: str) -> bool:
-        with self._lock, self._transaction():
-            return self._drop("conversations", cid)
+        with self._write():
+            if self._conversation(cid) is None:
+                return False
+            size = self._db.execute("SELECT bytes FROM conversations WHERE id = ?",
+                                    (cid,)).fetchone()[0]
+            self._db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+            self._db.execute("DELETE FROM items WHERE owner = ?", (cid,))
+            self._shrink(cid, size, 1)
+            return True
 
     def add_items(self, cid: str, items: list[Item]) -> bool:
-        """Append items to a conversation (False: no such conversation)."""
-        with self._lock, self._transaction():
-            if not self._db.execute("SELECT 1 FROM conversations WHERE id = ?",
-                                    (cid,)).fetchone():
+        with self._write():
+            if self._conversation(cid) is None:
                 return False
-            self._append(cid, items)
-            self._evict()
+            have = {r[0] for r in self._db.execute("SELECT id FROM items WHERE owner = ?",
+                                                   (cid,))}
+            dup = first_duplicate(items) or next(
+                (it["id"] for it in items if it.get("id") in have), None)
+            if dup is not None:
+                raise Duplicate(dup)
+            nxt = self._db.execute("SELECT next FROM conversations WHERE id = ?",
+                                   (cid,)).fetchone()[0]
+            rows = [(cid, nxt + n, it["id"], "item", json.dumps(it))
+                    for n, it in enumerate(items)]
+            grown = sum(len(r[4]) for r in rows)
+            self._room(cid, grown)
+            self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
+            self._db.execute("UPDATE conversations SET next = next + ?, bytes = bytes + ? "
+                             "WHERE id = ?", (len(rows), grown, cid))
+            self._grow(cid, grown, 0)
+            self._make_room(cid)
         return True
 
     def delete_item(self, cid: str, item_id: str) -> bool:
-        with self._lock, self._transaction():
+        with self._write():
+            if self._conversation(cid) is None:
+                return False
             row = self._db.execute("SELECT seq, length(item) FROM items WHERE owner = ? AND "
                                    "id = ?", (cid, item_id)).fetchone()
             if row is None:
                 return False
             self._db.execute("DELETE FROM items WHERE owner = ? AND seq = ?", (cid, row[0]))
-            self._db.execute("UPDATE conversations SET bytes = bytes - ?, written = ? "
-                             "WHERE id = ?", (row[1], time.time(), cid))
-        return True
-
-    # -- inside the lock ----------------------------------------------------------------
-    def _transaction(self) -> Any:
-        db = self._db
-
-        class _T:
-            def __enter__(self) -> None:
-                db.execute("BEGIN IMMEDIATE")
-
-            def __exit__(self, kind: Any, *_: Any) -> None:
-                if kind is None:
-                    try:
-                        db.execute("COMMIT")
-                        return
-                    except sqlite3.Error:  # (a full disk, another process's lock)
-                        db.execute("ROLLBACK")
-                        raise
-                db.execute("ROLLBACK")
-
-        return _T()
-
-    def _append(self, cid: str, items: list[Item]) -> None:
-        last = self._db.execute("SELECT COALESCE(MAX(seq), -1) FROM items WHERE owner = ?",
-                                (cid,)).fetchone()[0]
-        rows = [(cid, last + 1 + n, it["id"], "item", json.dumps(it))
-                for n, it in enumerate(items)]
-        self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
-        self._db.execute("UPDATE conversations SET bytes = bytes + ?, written = ? WHERE id = ?",
-                         (sum(len(r[4]) for r in rows), time.time(), cid))
-
-    def _drop(self, table: str, oid: str) -> bool:
-        cur = self._db.execute(f"DELETE FROM {table} WHERE id = ?", (oid,))
-        self._db.execute("DELETE FROM items WHERE owner = ?", (oid,))
-        return cur.rowcount > 0
-
-    def _evict(self) -> None:
-        """Drop what is past the bounds, least recently written first."""
-        b = self.bounds
-        rows = self._db.execute(
-            "SELECT 'responses', id, written, bytes FROM responses UNION ALL "
-            "SELECT 'conversations', id, written, bytes FROM conversations "
-            "ORDER BY 3").fetchall()
-        now, total = time.time(), sum(r[3] for r in rows)
-        for n, (table, oid, written, size) in enumerate(rows):
-            left = len(rows) - n
-            if ((b.max_age_s is not None and now - written > b.max_age_s)
-                    or (b.max_count is not None and left > b.max_count)
-                    or (b.max_bytes is not None and total > b.max_bytes and left > 1)):
-                self._drop(table, oid)
-                total -= size
-            else:
-                break
+            self._db.execute("UPDATE conversations SET bytes = bytes - ? WHERE id = ?",
+                             (row[1], cid))
+            self._shrink(cid, row[1], 0)
+            return True
 
     def stats(self) -> dict[str, int]:
-        """How many responses and conversations are kept, and their bytes."""
         with self._lock:
-            r = self._db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM responses"
-                                 ).fetchone()
-            c = self._db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM "
-                                 "conversations").fetchone()
-        return {"responses": r[0], "conversations": c[0], "bytes": r[1] + c[1]}
+            r = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+            c = self._db.execute("SELECT COUNT(*) FROM conversations").fetchone()[0]
+            _, nbytes = self._totals()
+        return {"responses": r, "conversations": c, "bytes": nbytes}

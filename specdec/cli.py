@@ -147,13 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "an SQLite file (default: responses.sqlite3 in the cache directory, "
                         "$SPECDEC_CACHE), memory (gone at exit), or none (nothing stored)")
     s.add_argument("--store-max-age", type=float, default=30.0, metavar="DAYS",
-                   help="stored responses and conversations last this long since last "
-                        "written (default 30 days)")
+                   help="a stored conversation, or chain of responses, lasts this long "
+                        "since last used (written or read; default 30 days)")
     s.add_argument("--store-max-count", type=int, default=10_000, metavar="N",
-                   help="most responses and conversations stored (default 10000); the least "
-                        "recently written go first")
+                   help="most responses and conversations stored (default 10000); whole "
+                        "conversations and chains go, the least recently used first")
     s.add_argument("--store-max-mb", type=int, default=1024, metavar="MB",
                    help="most megabytes of stored JSON (default 1024)")
+    s.add_argument("--store-max-object-mb", type=int, default=None, metavar="MB",
+                   help="most megabytes one conversation or chain of responses may take "
+                        "(default: 64, at most --store-max-mb); a turn past it is a 400")
     s.add_argument("--max-thinking-tokens", type=int, default=None,
                    help="most tokens a thinking request thinks before its answer when it "
                         f"gives no max_thinking_tokens (and at most half its max_tokens; "
@@ -490,11 +493,15 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
              "request_timeout_s": args.request_timeout}
     for flag, value in (("--store-max-age", args.store_max_age),
                         ("--store-max-count", args.store_max_count),
-                        ("--store-max-mb", args.store_max_mb)):
+                        ("--store-max-mb", args.store_max_mb),
+                        ("--store-max-object-mb", 1 if args.store_max_object_mb is None
+                         else args.store_max_object_mb)):
         if value <= 0:
             raise ModelConfigError(f"{flag} {value:g}: must be positive")
     store = args.store or str(cache_dir() / "responses.sqlite3")
-    bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20)
+    bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20,
+                    min(args.store_max_object_mb, args.store_max_mb) << 20
+                    if args.store_max_object_mb is not None else None)
     return replace(ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
                                ui=getattr(args, "ui", True), channel=channel, store=store,
                                store_bounds=bounds),

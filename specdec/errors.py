@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Literal
 
 # Whose fault, and what the caller can do; the server answers each with one HTTP status
-# ("unauthorized", "not_allowed" and "too_large" are the HTTP layer's own).
-ErrorKind = Literal["invalid_request", "unauthorized", "not_found", "not_allowed", "too_large",
+# ("unauthorized", "not_allowed", "conflict" and "too_large" are the HTTP layer's own).
+ErrorKind = Literal["invalid_request", "unauthorized", "not_found", "not_allowed", "conflict",
+                    "too_large",
                     "unavailable", "timeout", "internal"]
 
 

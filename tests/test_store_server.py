@@ -1,11 +1,13 @@
 """The Responses store on a real server (`specdec serve --store FILE` on loopback): a stored
 response survives a restart (retrieved, and continued by `previous_response_id`, by the next
 process on the same file); a response whose client leaves mid-stream is not stored (nor is
-anything of it added to its conversation)."""
+anything of it added to its conversation); a turn killed inside its write stores nothing."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -64,5 +66,41 @@ def test_a_stream_left_mid_answer_stores_nothing(tmp_path):
             c.responses.retrieve(rid)
         assert [i.content[0].text for i in c.conversations.items.list(conv.id).data] == [
             "Hello."]
+    finally:
+        s.stop()
+
+
+def test_a_turn_killed_inside_its_transaction_stores_nothing(tmp_path):
+    """A real kill (SIGKILL) of a real server while a conversation turn's write stops inside
+    its transaction (the store's fault hook, `SPECDEC_STORE_FAULT=pause-in-turn`: after the
+    response's rows, before the conversation's), then a restart on the same file: neither
+    the response nor the conversation's new items are there; what was there before is."""
+    store = str(tmp_path / "responses.sqlite3")
+    s = Server("--store", store, env={"SPECDEC_STORE_FAULT": "pause-in-turn"})
+    try:
+        c = s.client()
+        conv = c.conversations.create(items=[{"type": "message", "role": "user",
+                                              "content": "Hello."}])
+        r = c.responses.create(model="default", input="Name a colour.", conversation=conv.id,
+                               temperature=0, max_output_tokens=8)  # answered; kept after
+        deadline = time.time() + 60
+        while not os.path.exists(store + ".paused"):
+            assert time.time() < deadline, "the turn's write never reached the fault hook"
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait(timeout=30)
+    finally:
+        s.stop()
+    s = Server("--store", store)
+    try:
+        c = s.client()
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(r.id)
+        items = c.conversations.items.list(conv.id, order="asc").data
+        assert [i.content[0].text for i in items] == ["Hello."]
+        # and the conversation goes on
+        c.responses.create(model="default", input="Name a colour.", conversation=conv.id,
+                           temperature=0, max_output_tokens=8)
+        assert len(c.conversations.items.list(conv.id).data) == 3
     finally:
         s.stop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server.store import Bounds, Store, page
+from server.store import Bounds, SqliteStore as Store, page
 from tests.serverproc import error_of, serve_app
 
 GREEDY = dict(temperature=0, max_output_tokens=12)
@@ -229,35 +229,35 @@ def _response(rid: str, text: str = "x") -> dict:
 def test_the_store_bounds_count_bytes_and_age(tmp_path):
     s = Store(tmp_path / "s.sqlite3", Bounds(max_age_s=None, max_count=3, max_bytes=None))
     for i in range(5):
-        s.put_response(_response(f"r{i}"), [{"type": "message", "id": f"in{i}", "role": "user",
-                                             "content": []}])
+        s.put_turn(_response(f"r{i}"), [{"type": "message", "id": f"in{i}", "role": "user",
+                                         "content": []}])
     assert [s.response(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
     assert s.item("in0") is None and s.item("in4")["id"] == "in4"
     s = Store(":memory:", Bounds(max_age_s=None, max_count=None, max_bytes=2000))
     for i in range(10):
-        s.put_response(_response(f"r{i}", "y" * 300), [])
+        s.put_turn(_response(f"r{i}", "y" * 300), [])
     kept = [i for i in range(10) if s.response(f"r{i}") is not None]
     assert kept == list(range(10 - len(kept), 10)) and 0 < len(kept) < 10
     assert s.stats()["bytes"] <= 2000
     s = Store(":memory:", Bounds(max_age_s=0.0, max_count=None, max_bytes=None))
-    s.put_response(_response("old"), [])
-    s.put_response(_response("new"), [])  # writing evicts what is past its age
+    s.put_turn(_response("old"), [])
+    s.put_turn(_response("new"), [])  # writing evicts what is past its age
     assert s.response("old") is None
 
 
 def test_the_store_survives_reopening(tmp_path):
     path = tmp_path / "s.sqlite3"
     s = Store(path)
-    s.put_response(_response("r1", "kept"), [{"type": "message", "id": "m1", "role": "user",
-                                             "content": []}])
+    s.put_turn(_response("r1", "kept"), [{"type": "message", "id": "m1", "role": "user",
+                                         "content": []}])
     s.new_conversation("conv_1", {"k": "v"}, [{"type": "message", "id": "m2", "role": "user",
                                                "content": []}])
     s.close()
     s = Store(path)
     assert s.response("r1")["output"][0]["content"][0]["text"] == "kept"
-    assert [i["id"] for i in s.items_of("r1")] == ["m1", "msg_r1"]
+    assert [i["id"] for i in s.context("r1")] == ["m1", "msg_r1"]
     assert s.conversation("conv_1")["metadata"] == {"k": "v"}
-    assert [i["id"] for i in s.items_of("conv_1")] == ["m2"]
+    assert [i["id"] for i in s.conversation_items("conv_1")] == ["m2"]
 
 
 def test_pages_are_openai_lists():
