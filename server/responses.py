@@ -125,6 +125,7 @@ class Turn:
     hold: Any = None  # the conversation's turn, held (an async context manager), or None
     kept: Future[None] | None = None  # the store's write of this turn
     attached: bool = False  # a run carries it (its end releases the hold)
+    loop: Any = None  # the event loop the hold was taken on
 
     @property
     def context(self) -> list[Item]:
@@ -161,8 +162,9 @@ class Turn:
         turn = Turn(stored=body.store is not False, conversation=conv,
                     parent=body.previous_response_id or None)
         if conv:
-            turn.hold = door.conversation_turn(conv, door.config.request_timeout_s)
-            await turn.hold.__aenter__()
+            hold = door.conversation_turn(conv, door.config.request_timeout_s)
+            await hold.__aenter__()
+            turn.hold, turn.loop = hold, asyncio.get_running_loop()
         try:
             await turn._read(body, door, store)
         except BaseException:
@@ -231,16 +233,20 @@ class Turn:
         self.ended()
 
     def ended(self) -> None:
-        """The turn is over: release its conversation once its write (if any) is done."""
+        """The turn is over: release its conversation once its write (if any) is done
+        (from any thread)."""
         hold, self.hold = self.hold, None
         if hold is None:
             return
-        if self.kept is None or self.kept.done():
-            asyncio.ensure_future(hold.__aexit__(None, None, None))
-            return
-        loop = asyncio.get_running_loop()
-        self.kept.add_done_callback(lambda _: loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(hold.__aexit__(None, None, None))))
+        loop = self.loop
+
+        def release(_: Any = None) -> None:
+            loop.call_soon_threadsafe(lambda: loop.create_task(hold.__aexit__(None, None, None)))
+
+        if self.kept is None:
+            release()
+        else:
+            self.kept.add_done_callback(release)
 
 
 def messages(body: ResponsesRequest) -> tuple[Message, ...]:
