@@ -53,10 +53,11 @@ from specdec.prompt_bound import PromptBound
 from specdec.request import (SEED_LIMIT, UNGUARANTEED, GenerateRequest, Message,
                              SamplingParams, SpecOverrides, Tool)
 
-from .errors import WireError, bad_request, ref_of, wire_param
+from .errors import (StoreError, StoreUnavailable, WireError, bad_request, ref_of,
+                     wire_param)
 from .fleet import Fleet, Seat
 from .metrics import Metrics
-from .store import Bounds, Duplicate, SqliteStore, Store, TooLarge, Unavailable
+from .store import Bounds, SqliteStore, Store
 
 M = TypeVar("M", bound=BaseModel)
 B = TypeVar("B", bound=BaseModel)  # an API's body: it names `model` and `stream`
@@ -531,11 +532,9 @@ class Door:
         """
         try:
             return await asyncio.wrap_future(self.store_submit(fn, *args, **kw))
-        except TooLarge as e:
-            raise bad_request(str(e), None, "store_bound_exceeded") from None
-        except Duplicate as e:
-            raise bad_request(str(e), "input") from None
-        except (sqlite3.Error, Unavailable, OSError) as e:
+        except StoreError:
+            raise  # (a 400 naming the bound, or OpenAI's duplicate-id 400)
+        except (sqlite3.Error, StoreUnavailable, OSError) as e:
             log.error("the response store failed: %s", e)
             self.metrics.add(store_errors_total=1)
             raise WireError(503, f"the response store is unavailable: {e}",

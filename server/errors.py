@@ -31,6 +31,36 @@ class WireError(SpecdecError):
         self.headers = headers or {}
 
 
+class StoreError(SpecdecError):
+    """The response store refused a write (`TooLarge`, `Duplicate`): a 400."""
+
+
+class TooLarge(StoreError):
+    """The write would take a unit (a conversation, a chain of responses) past its bound;
+    `bound` the bound in bytes."""
+
+    code = "store_bound_exceeded"
+
+    def __init__(self, message: str, bound: int) -> None:
+        super().__init__(message)
+        self.bound = bound
+
+
+class Duplicate(StoreError):
+    """An item id twice in one context (OpenAI's message); `item_id` the id."""
+
+    def __init__(self, item_id: str, param: str | None = "input") -> None:
+        super().__init__(f"Duplicate item found with id {item_id}.", param=param)
+        self.item_id = item_id
+
+
+class StoreUnavailable(SpecdecError):
+    """The response store failed (its file, its lock, its disk): not the request's fault."""
+
+    kind = "unavailable"
+    code = "store_unavailable"
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> WireError:
     return WireError(400, message, param=param, code=code)
 

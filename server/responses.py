@@ -106,6 +106,7 @@ def not_found(what: str, oid: str, param: str | None, code: str) -> WireError:
 
 
 TOKEN_BYTES = 64  # the most bytes one output token takes stored (JSON-escaped), for bounds
+MAX_CONTEXT = 1 << 17  # output tokens a bound counts at most where the model's context is unknown
 
 
 @dataclass
@@ -166,13 +167,14 @@ class Turn:
             await hold.__aenter__()
             turn.hold, turn.loop = hold, asyncio.get_running_loop()
         try:
-            await turn._read(body, door, store)
+            await turn.read(body, door, store)
         except BaseException:
             turn.ended()
             raise
         return turn
 
-    async def _read(self, body: ResponsesRequest, door: Door, store: Store) -> None:
+    async def read(self, body: ResponsesRequest, door: Door, store: Store) -> None:
+        """What the turn continues, its own items (references resolved), checked."""
         if self.parent:
             prior = await door.stored(store.context, self.parent)
             if prior is None:
@@ -201,7 +203,12 @@ class Turn:
         if self.stored or self.conversation:
             # The most this turn can add to its unit: its own items and its output (twice
             # in a conversation: the response's and the conversation's), the response.
-            out = (body.max_output_tokens or DEFAULT_MAX_TOKENS) * TOKEN_BYTES + 4096
+            # (at most the model's context: a larger max_output_tokens is the model's 400)
+            seat = door.fleet.loaded(body.model)
+            context = seat.bound.context if seat is not None and seat.bound is not None \
+                else MAX_CONTEXT
+            out = min(body.max_output_tokens or DEFAULT_MAX_TOKENS, context) * TOKEN_BYTES \
+                + 4096
             own = size_of(self.own)
             adding = (own + out) * (1 + bool(self.conversation) * self.stored) + len(
                 body.model_dump_json(exclude={"input"}, exclude_none=True))

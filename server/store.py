@@ -26,14 +26,18 @@ Thread-safe (one connection, one lock); the server calls it off its event loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .errors import Duplicate, StoreUnavailable as Unavailable, TooLarge
 
 Item = dict[str, Any]
 
@@ -77,30 +81,6 @@ class Bounds:
         if self.max_object_bytes is not None:
             return self.max_object_bytes
         return min(64 * MB, self.max_bytes) if self.max_bytes is not None else 64 * MB
-
-
-class StoreError(Exception):
-    """A store refused a write (`TooLarge`, `Duplicate`)."""
-
-
-class TooLarge(StoreError):
-    """The write would take a unit past its bound; `bound` the bound in bytes."""
-
-    def __init__(self, message: str, bound: int) -> None:
-        super().__init__(message)
-        self.bound = bound
-
-
-class Duplicate(StoreError):
-    """An item id twice in one context; `item_id` the id."""
-
-    def __init__(self, item_id: str) -> None:
-        super().__init__(f"Duplicate item found with id {item_id}.")
-        self.item_id = item_id
-
-
-class Unavailable(Exception):
-    """The store failed (its file, its lock, its disk): not the request's fault."""
 
 
 @dataclass(frozen=True)
@@ -327,37 +307,25 @@ class SqliteStore(Store):
     def _begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
 
-    def _write(self) -> Any:
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
         """The lock and one transaction (committed, or rolled back on any error)."""
-        store = self
-
-        class _W:
-            def __enter__(self) -> None:
-                store._lock.acquire()
-                try:
-                    store._begin()
-                except BaseException:
-                    store._lock.release()
-                    raise
-
-            def __exit__(self, kind: Any, *_: Any) -> None:
-                db = store._db
-                try:
-                    if kind is None:
-                        try:
-                            db.execute("COMMIT")
-                        except sqlite3.Error:  # (a full disk, another process's lock)
-                            db.execute("ROLLBACK")
-                            raise
-                        if store._freed:
-                            store._freed = False
-                            db.executescript("PRAGMA incremental_vacuum")  # (run to its end)
-                    else:
-                        db.execute("ROLLBACK")
-                finally:
-                    store._lock.release()
-
-        return _W()
+        with self._lock:
+            db = self._db
+            self._begin()
+            try:
+                yield
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error:  # (a full disk, another process's lock)
+                db.execute("ROLLBACK")
+                raise
+            if self._freed:
+                self._freed = False
+                db.executescript("PRAGMA incremental_vacuum")  # (run to its end)
 
     _freed = False  # a transaction dropped something: give the pages back after it
 
@@ -610,7 +578,7 @@ class SqliteStore(Store):
         meta = json.dumps(metadata)
         dup = first_duplicate(items)
         if dup is not None:
-            raise Duplicate(dup)
+            raise Duplicate(dup, "items")
         rows = [(cid, n, it["id"], "item", json.dumps(it)) for n, it in enumerate(items)]
         size = len(meta) + sum(len(r[4]) for r in rows)
         with self._write():
@@ -685,7 +653,7 @@ class SqliteStore(Store):
             dup = first_duplicate(items) or next(
                 (it["id"] for it in items if it.get("id") in have), None)
             if dup is not None:
-                raise Duplicate(dup)
+                raise Duplicate(dup, "items")
             nxt = self._db.execute("SELECT next FROM conversations WHERE id = ?",
                                    (cid,)).fetchone()[0]
             rows = [(cid, nxt + n, it["id"], "item", json.dumps(it))
