@@ -396,3 +396,32 @@ def test_a_turn_waiting_past_its_time_limit_is_a_409_naming_the_conversation():
         first.join()
     finally:
         app.stop()
+
+
+def test_store_work_never_holds_the_event_loop():
+    """A store call that takes a second (a locked file, a slow disk) holds only its own
+    request: /health and other routes answer meanwhile."""
+    app = serve(FakeEngine([finished("Blue.")]))
+    try:
+        c = app.client()
+        r = c.responses.create(model="default", input="Name a colour.")
+        store = app._asgi.app.state.door.store  # type: ignore[attr-defined]
+        slow = store.context
+
+        def stalled(rid):
+            time.sleep(1.5)
+            return slow(rid)
+
+        store.context = stalled
+        t = threading.Thread(target=lambda: c.responses.create(
+            model="default", input="Again.", previous_response_id=r.id))
+        t.start()
+        time.sleep(0.2)  # the turn is inside its store read now
+        t0 = time.perf_counter()
+        assert app.http.get("/health").status_code == 200
+        assert app.http.get("/v1/models").status_code == 200
+        took = time.perf_counter() - t0
+        t.join()
+        assert took < 0.5, f"the event loop was held {took:.2f}s by the store"
+    finally:
+        app.stop()
