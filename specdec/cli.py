@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -499,6 +500,11 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
         if value <= 0:
             raise ModelConfigError(f"{flag} {value:g}: must be positive")
     store = args.store or str(cache_dir() / "responses.sqlite3")
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", store)
+    if scheme is not None:  # a URL is never a file path
+        raise ModelConfigError(
+            f"--store {scheme.group(0)}...: this server stores in an SQLite file (a path), "
+            "memory or none; a database URL (" + scheme.group(1) + ") is not supported")
     bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20,
                     min(args.store_max_object_mb, args.store_max_mb) << 20
                     if args.store_max_object_mb is not None else None)

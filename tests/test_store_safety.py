@@ -425,3 +425,15 @@ def test_store_work_never_holds_the_event_loop():
         assert took < 0.5, f"the event loop was held {took:.2f}s by the store"
     finally:
         app.stop()
+
+
+@pytest.mark.parametrize("url", ["postgresql://user@host/db", "sqlite:///tmp/x.db",
+                                 "s3://bucket/key"])
+def test_a_store_url_is_an_error_at_start_never_a_file_path(url, tmp_path, monkeypatch):
+    from specdec import cli
+    from specdec.errors import ModelConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelConfigError, match="not supported"):
+        cli.serve_config(cli.build_parser().parse_args(["serve", "--store", url]))
+    assert list(tmp_path.iterdir()) == []  # no folder named after the scheme
