@@ -145,7 +145,8 @@ class Store:
         """Keep a finished turn in one transaction: the response (where `stored`: its
         object, its own input items `own`, its `output`, continuing `parent` or the first
         `upto` items of `conversation`) and, where in a conversation, `own` and the output
-        appended to it. Raises `TooLarge`, `Duplicate`."""
+        appended to it. Its unit's room is checked before the turn's work (`check_room`),
+        not here: a turn that passed it is stored."""
         raise NotImplementedError
 
     def response(self, rid: str) -> dict[str, Any] | None:
@@ -470,15 +471,14 @@ class SqliteStore(Store):
             if conversation is not None and self._conversation(conversation) is None:
                 conversation = None
             unit = conversation or (self._live(parent) if parent is not None else None) or rid
-            added = (size if stored else 0)
             conv_rows: list[tuple[Any, ...]] = []
             if conversation is not None:
                 nxt = db.execute("SELECT next FROM conversations WHERE id = ?",
                                  (conversation,)).fetchone()[0]
                 conv_rows = [(conversation, nxt + n, it["id"], "item", json.dumps(it))
                              for n, it in enumerate(own + output)]
-                added += sum(len(r[4]) for r in conv_rows)
-            self._room(unit if unit != rid else None, added)
+            # (its room was checked before any work, `check_room`: a turn that passed it is
+            # stored, even where a turn beside it on the same unit took some of that room)
             if stored:
                 db.execute("DELETE FROM items WHERE owner = ?", (rid,))
                 db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
