@@ -101,7 +101,8 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
         metrics.add(request_errors_total=1)
         return api_of(request.url.path).error(err)
 
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       api_keys=config.api_keys)
 
     @app.get("/health", response_model=Health)
     async def health() -> Any:
@@ -149,7 +150,7 @@ def create_app(served: Engine | Fleet, config: ServeConfig = ServeConfig()) -> F
     def admin(name: str) -> Seat:
         """The model an administrator's request names; refused on a server that listens
         beyond loopback with no API key (anyone could unload its models)."""
-        if config.api_key is None and config.host not in LOOPBACK:
+        if config.api_key is None and not config.api_keys and config.host not in LOOPBACK:
             raise WireError(401, f"model administration needs --api-key on a server "
                                  f"listening on {config.host}", code="invalid_api_key")
         return fleet.route(name)
@@ -274,25 +275,40 @@ class Guard:
     function (BaseHTTPMiddleware) it leaves the receive channel alone, so handlers see a
     client's disconnect (`Request.is_disconnected`) while tokens are still flowing. The key
     may come as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
-    (Anthropic's)."""
+    (Anthropic's). With several keys (`api_keys`: (owner, key) pairs), the key a request
+    gave names its owner (`request.state.owner`): whose stored objects it sees."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
+                 api_keys: tuple[tuple[str, str], ...] = ()) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.keys = [(owner, key.encode()) for owner, key in api_keys] + (
+            [("", api_key.encode())] if api_key else [])
+        self.api_key = bool(self.keys)
 
-    def _authorized(self, headers: dict[str, str]) -> bool:
-        want = (self.api_key or "").encode()
+    def _owner(self, headers: dict[str, str]) -> str | None:
+        """The owner of the key the request gave (None: no key of ours). Every key is
+        compared, in constant time each."""
         bearer = headers.get("authorization", "").encode("latin-1")
-        key = headers.get("x-api-key", "").encode("latin-1")
-        return hmac.compare_digest(bearer, b"Bearer " + want) or (
-            bool(key) and hmac.compare_digest(key, want))
+        given = headers.get("x-api-key", "").encode("latin-1")
+        found = None
+        for owner, want in self.keys:
+            if hmac.compare_digest(bearer, b"Bearer " + want) or (
+                    bool(given) and hmac.compare_digest(given, want)):
+                found = owner if found is None else found
+        return found
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                        for k, v in scope.get("headers", [])}
             error = None
-            if self.api_key and _protected(scope["path"]) and not self._authorized(headers):
-                error = WireError(401, "missing or invalid API key", code="invalid_api_key")
+            if self.api_key:
+                owner = self._owner(headers)
+                if owner is not None:
+                    scope.setdefault("state", {})["owner"] = owner
+                elif _protected(scope["path"]):
+                    error = WireError(401, "missing or invalid API key",
+                                      code="invalid_api_key")
             size = headers.get("content-length", "")
             if error is None and size.isdigit() and int(size) > self.max_body_bytes:
                 error = WireError(413, f"request body over {self.max_body_bytes} bytes",

@@ -22,7 +22,7 @@ from specdec.errors import SpecdecError
 from .door import Door
 from .errors import bad_request, openai_response
 from .openapi import error_responses
-from .responses import NEEDS, not_found, wire_item
+from .responses import NEEDS, not_found, owner_of, wire_item
 from .responses_wire import FAIL_FAST, InputItem
 from .store import Item, Store, first_duplicate, page
 
@@ -63,7 +63,7 @@ def error(e: SpecdecError, body: Any = None) -> JSONResponse:
     return openai_response(e, {})
 
 
-async def items_of(given: list[InputItem], door: Door) -> list[Item]:
+async def items_of(given: list[InputItem], door: Door, owner: str) -> list[Item]:
     """Items as stored: with ids; an `item_reference` is the stored item it names.
 
     Raises:
@@ -77,7 +77,7 @@ async def items_of(given: list[InputItem], door: Door) -> list[Item]:
             raise bad_request(f"a {it.type} item needs {' and '.join(missing)}",
                               f"items[{i}].{missing[0]}")
         if it.type == "item_reference":
-            found = await door.stored(door.store.item, str(it.id))
+            found = await door.stored(door.store.item, str(it.id), owner)
             if found is None:
                 raise not_found("item", str(it.id), f"items[{i}].id", "item_not_found")
             out.append(found)
@@ -97,8 +97,8 @@ def router(door: Door) -> APIRouter:
             raise not_found("conversation", "", None, "conversation_not_found")
         return door.store
 
-    async def conversation(cid: str) -> dict[str, Any]:
-        got = await door.stored(store().conversation, cid)
+    async def conversation(cid: str, owner: str) -> dict[str, Any]:
+        got = await door.stored(store().conversation, cid, owner)
         if got is None:
             raise not_found("conversation", cid, None, "conversation_not_found")
         return got
@@ -114,47 +114,48 @@ def router(door: Door) -> APIRouter:
         async def work() -> dict[str, Any]:
             body = await door.parse(http, NewConversation, admit=False)
             s = store()
-            items = await items_of(body.items, door)
+            items = await items_of(body.items, door, owner_of(http))
             return await door.stored(s.new_conversation, f"conv_{uuid.uuid4().hex}",
-                                     body.metadata or {}, items)
+                                     body.metadata or {}, items, owner_of(http))
         return await answer(work)
 
     @api.get(PREFIX + "/{cid}", response_model=None, responses=ERRORS)
-    async def retrieve(cid: str) -> Response:
+    async def retrieve(cid: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
-            return await conversation(cid)
+            return await conversation(cid, owner_of(http))
         return await answer(work)
 
     @api.post(PREFIX + "/{cid}", response_model=None, responses=ERRORS)
     async def update(cid: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
             body = await door.parse(http, Update, admit=False)
-            got = await door.stored(store().update_conversation, cid, body.metadata)
+            got = await door.stored(store().update_conversation, cid, body.metadata,
+                                    owner_of(http))
             if got is None:
                 raise not_found("conversation", cid, None, "conversation_not_found")
             return got
         return await answer(work)
 
     @api.delete(PREFIX + "/{cid}", response_model=None, responses=ERRORS)
-    async def delete(cid: str) -> Response:
+    async def delete(cid: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
-            if not await door.stored(store().delete_conversation, cid):
+            if not await door.stored(store().delete_conversation, cid, owner_of(http)):
                 raise not_found("conversation", cid, None, "conversation_not_found")
             return {"id": cid, "object": "conversation.deleted", "deleted": True}
         return await answer(work)
 
-    async def listed(cid: str) -> list[Item]:
-        got = await door.stored(store().conversation_items, cid)
+    async def listed(cid: str, owner: str) -> list[Item]:
+        got = await door.stored(store().conversation_items, cid, owner)
         if got is None:
             raise not_found("conversation", cid, None, "conversation_not_found")
         return got
 
     @api.get(PREFIX + "/{cid}/items", response_model=None, responses=ERRORS)
-    async def list_items(cid: str, after: str | None = None,
+    async def list_items(cid: str, http: Request, after: str | None = None,
                          limit: int = Query(20, ge=1, le=100),
                          order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
         async def work() -> dict[str, Any]:
-            got = page(await listed(cid), after, limit, order)
+            got = page(await listed(cid, owner_of(http)), after, limit, order)
             if got is None:
                 raise bad_request(f"after: no item {after!r} in this conversation", "after")
             return got.wire()
@@ -164,28 +165,31 @@ def router(door: Door) -> APIRouter:
     async def add_items(cid: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
             body = await door.parse(http, NewItems, admit=False)
-            await conversation(cid)
-            items = await items_of(body.items, door)
+            owner = owner_of(http)
+            await conversation(cid, owner)
+            items = await items_of(body.items, door, owner)
             async with door.conversation_turn(cid, door.config.request_timeout_s):
-                if not await door.stored(store().add_items, cid, items):
+                if not await door.stored(store().add_items, cid, items, owner):
                     raise not_found("conversation", cid, None, "conversation_not_found")
             return page(items, None, len(items), "asc").wire()  # type: ignore[union-attr]
         return await answer(work)
 
     @api.get(PREFIX + "/{cid}/items/{item_id}", response_model=None, responses=ERRORS)
-    async def item(cid: str, item_id: str) -> Response:
+    async def item(cid: str, item_id: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
-            got = next((it for it in await listed(cid) if it["id"] == item_id), None)
+            got = next((it for it in await listed(cid, owner_of(http))
+                        if it["id"] == item_id), None)
             if got is None:
                 raise not_found("item", item_id, None, "item_not_found")
             return got
         return await answer(work)
 
     @api.delete(PREFIX + "/{cid}/items/{item_id}", response_model=None, responses=ERRORS)
-    async def delete_item(cid: str, item_id: str) -> Response:
+    async def delete_item(cid: str, item_id: str, http: Request) -> Response:
         async def work() -> dict[str, Any]:
-            found = await conversation(cid)
-            if not await door.stored(store().delete_item, cid, item_id):
+            owner = owner_of(http)
+            found = await conversation(cid, owner)
+            if not await door.stored(store().delete_item, cid, item_id, owner):
                 raise not_found("item", item_id, None, "item_not_found")
             return found
         return await answer(work)

@@ -202,14 +202,16 @@ class ServeConfig:
 
     Attributes:
         host, port: where to listen. api_key: required of clients when set (Bearer or
-            `x-api-key`). ui: the playground page at `/` (`server/static`). max_batch,
-            max_queue, request_timeout_s: the scheduler's (`Engine.start`). max_body_bytes,
-            max_json_depth: a body's limits.
+            `x-api-key`); api_keys: several, each with its owner's name (a request sees the
+            stored objects of its key's owner only). ui: the playground page at `/`
+            (`server/static`). max_batch, max_queue, request_timeout_s: the scheduler's
+            (`Engine.start`). max_body_bytes, max_json_depth: a body's limits.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_keys: tuple[tuple[str, str], ...] = ()  # (owner, key): each key's objects its own
     ui: bool = True
     max_batch: int = LIMITS.max_batch
     max_queue: int = LIMITS.max_queue

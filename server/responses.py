@@ -127,13 +127,14 @@ class Turn:
     kept: Future[None] | None = None  # the store's write of this turn
     attached: bool = False  # a run carries it (its end releases the hold)
     loop: Any = None  # the event loop the hold was taken on
+    owner: str = ""  # the API key's owner name ("": one key or none)
 
     @property
     def context(self) -> list[Item]:
         return self.prior + self.own
 
     @staticmethod
-    async def of(body: ResponsesRequest, door: Door) -> Turn:
+    async def of(body: ResponsesRequest, door: Door, owner: str = "") -> Turn:
         """The request's turn, read from the store (off the event loop); a turn on a
         conversation first waits for the one in flight there, if any.
 
@@ -161,7 +162,7 @@ class Turn:
             raise bad_request("previous_response_id and conversation cannot both be given",
                               "previous_response_id")
         turn = Turn(stored=body.store is not False, conversation=conv,
-                    parent=body.previous_response_id or None)
+                    parent=body.previous_response_id or None, owner=owner)
         if conv:
             hold = door.conversation_turn(conv, door.config.request_timeout_s)
             await hold.__aenter__()
@@ -176,13 +177,13 @@ class Turn:
     async def read(self, body: ResponsesRequest, door: Door, store: Store) -> None:
         """What the turn continues, its own items (references resolved), checked."""
         if self.parent:
-            prior = await door.stored(store.context, self.parent)
+            prior = await door.stored(store.context, self.parent, self.owner)
             if prior is None:
                 raise not_found("response", self.parent, "previous_response_id",
                                 "previous_response_not_found")
             self.prior = prior
         elif self.conversation:
-            seen = await door.stored(store.conversation_seen, self.conversation)
+            seen = await door.stored(store.conversation_seen, self.conversation, self.owner)
             if seen is None:
                 raise not_found("conversation", self.conversation, "conversation",
                                 "conversation_not_found")
@@ -193,7 +194,7 @@ class Turn:
                 continue
             if not it.id:
                 raise bad_request("an item_reference item needs id", f"input[{i}].id")
-            found = await door.stored(store.item, it.id)
+            found = await door.stored(store.item, it.id, self.owner)
             if found is None:
                 raise not_found("item", it.id, f"input[{i}].id", "item_not_found")
             self.own.append(found)
@@ -229,7 +230,7 @@ class Turn:
             return
         self.kept = door.store_submit(store.put_turn, response, self.own, stored=self.stored,
                                       parent=self.parent, conversation=self.conversation,
-                                      upto=self.upto)
+                                      upto=self.upto, owner=self.owner)
 
         def done(f: Future[None]) -> None:
             if f.exception() is not None:
@@ -492,6 +493,11 @@ RESPONSES: dict[int | str, dict[str, Any]] = {200: {
                       "event's JSON")}}, **GENERATE_RESPONSES}
 
 
+def owner_of(http: Request) -> str:
+    """Whose stored objects a request sees: its API key's owner (`server.app.Guard`)."""
+    return getattr(http.state, "owner", "")
+
+
 def error(e: SpecdecError, body: ResponsesRequest | None = None) -> JSONResponse:
     return openai_response(e, PARAMS)
 
@@ -519,7 +525,7 @@ def router(door: Door) -> APIRouter:
         turns: list[Turn] = []
 
         async def request(body: ResponsesRequest) -> GenerateRequest:
-            body.turn = await Turn.of(body, door)
+            body.turn = await Turn.of(body, door, owner_of(http))
             turns.append(body.turn)
             resolved = body.turn.prior or any(it.type == "item_reference"
                                               for it in body.input)
@@ -539,24 +545,26 @@ def router(door: Door) -> APIRouter:
                 if not t.attached:  # refused before it ran
                     t.ended()
 
-    async def stored(rid: str) -> dict[str, Any]:
-        got = await door.stored(door.store.response, rid) if door.store is not None else None
+    async def stored(rid: str, owner: str) -> dict[str, Any]:
+        got = await door.stored(door.store.response, rid, owner) \
+            if door.store is not None else None
         if got is None:
             raise not_found("response", rid, None, "response_not_found")
         return got
 
     @api.get(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404, 503))
-    async def retrieve(rid: str) -> Response:
+    async def retrieve(rid: str, http: Request) -> Response:
         try:
-            return JSONResponse(await stored(rid))
+            return JSONResponse(await stored(rid, owner_of(http)))
         except SpecdecError as e:
             return error(e)
 
     @api.delete(PREFIX + "/{rid}", response_model=None,
                 responses=error_responses(401, 404, 503))
-    async def delete(rid: str) -> Response:
+    async def delete(rid: str, http: Request) -> Response:
         try:
-            if door.store is None or not await door.stored(door.store.delete_response, rid):
+            if door.store is None or not await door.stored(door.store.delete_response, rid,
+                                                           owner_of(http)):
                 return error(not_found("response", rid, None, "response_not_found"))
         except SpecdecError as e:
             return error(e)
@@ -564,11 +572,11 @@ def router(door: Door) -> APIRouter:
 
     @api.get(PREFIX + "/{rid}/input_items", response_model=None,
              responses=error_responses(400, 401, 404, 503))
-    async def input_items(rid: str, after: str | None = None,
+    async def input_items(rid: str, http: Request, after: str | None = None,
                           limit: int = Query(20, ge=1, le=100),
                           order: str = Query("desc", pattern="^(asc|desc)$")) -> Response:
         try:
-            items = await door.stored(door.store.input_items, rid) \
+            items = await door.stored(door.store.input_items, rid, owner_of(http)) \
                 if door.store is not None else None
             return JSONResponse(listing(items, after, limit, order, "response", rid,
                                         "response_not_found"))

@@ -41,7 +41,8 @@ from .errors import Duplicate, StoreUnavailable as Unavailable, TooLarge
 
 Item = dict[str, Any]
 
-SCHEMA_VERSION = 2  # `PRAGMA user_version`; 0 with tables: the first release's layout (v1)
+SCHEMA_VERSION = 3  # `PRAGMA user_version`; 0 with tables: the first release's layout (v1);
+# 2: units and links, no owners; 3: each response and conversation its owner (an API key's)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS units (
@@ -49,11 +50,12 @@ CREATE TABLE IF NOT EXISTS units (
 CREATE INDEX IF NOT EXISTS units_by_use ON units (used);
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, unit TEXT NOT NULL, parent TEXT, conversation TEXT, upto INTEGER,
-    created REAL NOT NULL, bytes INTEGER NOT NULL, body TEXT NOT NULL);
+    created REAL NOT NULL, bytes INTEGER NOT NULL, body TEXT NOT NULL,
+    owner TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS responses_by_unit ON responses (unit);
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, created INTEGER NOT NULL, bytes INTEGER NOT NULL,
-    next INTEGER NOT NULL, metadata TEXT NOT NULL);
+    next INTEGER NOT NULL, metadata TEXT NOT NULL, owner TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS items (
     owner TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, part TEXT NOT NULL,
     item TEXT NOT NULL, PRIMARY KEY (owner, seq));
@@ -130,7 +132,9 @@ def size_of(items: list[Item]) -> int:
 class Store:
     """The interface every backend implements (see the module's guarantees). Reads of a
     response or conversation count as a use of its unit; `None`/`False`: not stored (never
-    stored, deleted, evicted or expired)."""
+    stored, deleted, evicted or expired) or not `owner`'s: every object belongs to the API
+    key that made it (its `owner`; "" where the server has one key or none), and another
+    owner's is not there for it."""
 
     bounds: Bounds
 
@@ -141,7 +145,7 @@ class Store:
 
     def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
                  parent: str | None = None, conversation: str | None = None,
-                 upto: int | None = None) -> None:
+                 upto: int | None = None, owner: str = "") -> None:
         """Keep a finished turn in one transaction: the response (where `stored`: its
         object, its own input items `own`, its `output`, continuing `parent` or the first
         `upto` items of `conversation`) and, where in a conversation, `own` and the output
@@ -149,47 +153,51 @@ class Store:
         not here: a turn that passed it is stored."""
         raise NotImplementedError
 
-    def response(self, rid: str) -> dict[str, Any] | None:
+    def response(self, rid: str, owner: str = "") -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def context(self, rid: str) -> list[Item] | None:
+    def context(self, rid: str, owner: str = "") -> list[Item] | None:
         """What a request continuing response `rid` starts from: its input and output."""
         raise NotImplementedError
 
-    def input_items(self, rid: str) -> list[Item] | None:
+    def input_items(self, rid: str, owner: str = "") -> list[Item] | None:
         """A response's whole input (what it continued, then its own), in order."""
         raise NotImplementedError
 
-    def delete_response(self, rid: str) -> bool:
+    def delete_response(self, rid: str, owner: str = "") -> bool:
         raise NotImplementedError
 
-    def item(self, item_id: str) -> Item | None:
+    def item(self, item_id: str, owner: str = "") -> Item | None:
         """A stored item by its id (the latest written where several objects hold it)."""
         raise NotImplementedError
 
-    def new_conversation(self, cid: str, metadata: dict[str, Any], items: list[Item]
-                         ) -> dict[str, Any]:
+    def new_conversation(self, cid: str, metadata: dict[str, Any], items: list[Item],
+                         owner: str = "") -> dict[str, Any]:
         raise NotImplementedError
 
-    def conversation(self, cid: str) -> dict[str, Any] | None:
+    def conversation(self, cid: str, owner: str = "") -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def conversation_items(self, cid: str) -> list[Item] | None:
-        """A conversation's items in order, with how many it has seen (`upto` for a turn)."""
+    def conversation_items(self, cid: str, owner: str = "") -> list[Item] | None:
+        """A conversation's items in order."""
         raise NotImplementedError
 
-    def update_conversation(self, cid: str, metadata: dict[str, Any]
+    def conversation_seen(self, cid: str, owner: str = "") -> tuple[list[Item], int] | None:
+        """A conversation's items and the position after them (`upto` for a turn)."""
+        raise NotImplementedError
+
+    def update_conversation(self, cid: str, metadata: dict[str, Any], owner: str = ""
                             ) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def delete_conversation(self, cid: str) -> bool:
+    def delete_conversation(self, cid: str, owner: str = "") -> bool:
         raise NotImplementedError
 
-    def add_items(self, cid: str, items: list[Item]) -> bool:
+    def add_items(self, cid: str, items: list[Item], owner: str = "") -> bool:
         """Append items (False: no such conversation). Raises `TooLarge`, `Duplicate`."""
         raise NotImplementedError
 
-    def delete_item(self, cid: str, item_id: str) -> bool:
+    def delete_item(self, cid: str, item_id: str, owner: str = "") -> bool:
         raise NotImplementedError
 
     def stats(self) -> dict[str, int]:
@@ -252,6 +260,13 @@ class SqliteStore(Store):
                               f"{version}; this one reads up to {SCHEMA_VERSION})")
         if version == SCHEMA_VERSION:
             return
+        if version == 2:  # owners: what was stored belongs to no key (one key or none)
+            self._begin()
+            db.execute("ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+            db.execute("ALTER TABLE conversations ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            db.execute("COMMIT")
+            return
         if not tables:
             db.executescript(SCHEMA)
             self._begin()
@@ -277,16 +292,16 @@ class SqliteStore(Store):
                     "SELECT id, written, body, bytes FROM responses_v1").fetchall():
                 obj = json.loads(body)
                 obj.pop("output", None)
-                db.execute("INSERT INTO responses VALUES (?, ?, NULL, NULL, NULL, ?, ?, ?)",
-                           (rid, rid, written, size, json.dumps(obj)))
+                db.execute("INSERT INTO responses (id, unit, created, bytes, body) "
+                           "VALUES (?, ?, ?, ?, ?)", (rid, rid, written, size, json.dumps(obj)))
                 db.execute("INSERT INTO units VALUES (?, ?, ?, 1)", (rid, written, size))
             for cid, created, written, meta, size in db.execute(
                     "SELECT id, created, written, metadata, bytes FROM conversations_v1"
                     ).fetchall():
                 nxt = db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM items WHERE owner = ?",
                                  (cid,)).fetchone()[0]
-                db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?)",
-                           (cid, created, size, nxt, meta))
+                db.execute("INSERT INTO conversations (id, created, bytes, next, metadata) "
+                           "VALUES (?, ?, ?, ?, ?)", (cid, created, size, nxt, meta))
                 db.execute("INSERT INTO units VALUES (?, ?, ?, 1)", (cid, written, size))
             db.execute("DROP TABLE responses_v1")
             db.execute("DROP TABLE conversations_v1")
@@ -455,7 +470,7 @@ class SqliteStore(Store):
 
     def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
                  parent: str | None = None, conversation: str | None = None,
-                 upto: int | None = None) -> None:
+                 upto: int | None = None, owner: str = "") -> None:
         rid = response["id"]
         output = list(response.get("output") or [])
         body = json.dumps({k: v for k, v in response.items() if k != "output"})
@@ -468,7 +483,7 @@ class SqliteStore(Store):
             unit = None
             # What it continued, where still stored (deleted meanwhile: the response
             # starts a unit of its own; a conversation deleted meanwhile gets nothing).
-            if conversation is not None and self._conversation(conversation) is None:
+            if conversation is not None and self._conversation(conversation, owner) is None:
                 conversation = None
             unit = conversation or (self._live(parent) if parent is not None else None) or rid
             conv_rows: list[tuple[Any, ...]] = []
@@ -481,8 +496,9 @@ class SqliteStore(Store):
             # stored, even where a turn beside it on the same unit took some of that room)
             if stored:
                 db.execute("DELETE FROM items WHERE owner = ?", (rid,))
-                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                           (rid, unit, parent, conversation, upto, time.time(), size, body))
+                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (rid, unit, parent, conversation, upto, time.time(), size, body,
+                            owner))
                 db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
                 self._grow(unit, size, 1)
             self._pause()
@@ -494,9 +510,10 @@ class SqliteStore(Store):
                 self._grow(unit, grown, 0)
             self._make_room(unit)
 
-    def response(self, rid: str) -> dict[str, Any] | None:
+    def response(self, rid: str, owner: str = "") -> dict[str, Any] | None:
         with self._write():
-            row = self._db.execute("SELECT body FROM responses WHERE id = ?", (rid,)).fetchone()
+            row = self._db.execute("SELECT body FROM responses WHERE id = ? AND owner = ?",
+                                   (rid, owner)).fetchone()
             unit = self._live(rid) if row is not None else None
             if unit is None:
                 return None
@@ -528,8 +545,9 @@ class SqliteStore(Store):
             args.append(below)
         return [json.loads(r[0]) for r in self._db.execute(q + " ORDER BY seq", args)]
 
-    def _input(self, rid: str, with_output: bool) -> list[Item] | None:
-        known = self._db.execute("SELECT 1 FROM responses WHERE id = ?", (rid,)).fetchone()
+    def _input(self, rid: str, owner: str, with_output: bool) -> list[Item] | None:
+        known = self._db.execute("SELECT 1 FROM responses WHERE id = ? AND owner = ?",
+                                 (rid, owner)).fetchone()
         unit = self._live(rid) if known is not None else None
         if unit is None:
             return None
@@ -544,18 +562,18 @@ class SqliteStore(Store):
                 out += self._items(oid, "output")
         return out
 
-    def context(self, rid: str) -> list[Item] | None:
+    def context(self, rid: str, owner: str = "") -> list[Item] | None:
         with self._write():
-            return self._input(rid, with_output=True)
+            return self._input(rid, owner, with_output=True)
 
-    def input_items(self, rid: str) -> list[Item] | None:
+    def input_items(self, rid: str, owner: str = "") -> list[Item] | None:
         with self._write():
-            return self._input(rid, with_output=False)
+            return self._input(rid, owner, with_output=False)
 
-    def delete_response(self, rid: str) -> bool:
+    def delete_response(self, rid: str, owner: str = "") -> bool:
         with self._write():
-            row = self._db.execute("SELECT unit, bytes FROM responses WHERE id = ?",
-                                   (rid,)).fetchone()
+            row = self._db.execute("SELECT unit, bytes FROM responses WHERE id = ? AND "
+                                   "owner = ?", (rid, owner)).fetchone()
             if row is None or self._live(rid) is None:
                 return False
             self._db.execute("DELETE FROM responses WHERE id = ?", (rid,))
@@ -563,18 +581,25 @@ class SqliteStore(Store):
             self._shrink(row[0], row[1], 1)
             return True
 
-    def item(self, item_id: str) -> Item | None:
+    def item(self, item_id: str, owner: str = "") -> Item | None:
         with self._write():
-            for owner, item in self._db.execute(
+            for held_by, item in self._db.execute(
                     "SELECT owner, item FROM items WHERE id = ? ORDER BY rowid DESC",
                     (item_id,)).fetchall():
-                if self._live(owner) is not None:
+                if self._owned(held_by, owner) and self._live(held_by) is not None:
                     return json.loads(item)
             return None
 
+    def _owned(self, oid: str, owner: str) -> bool:
+        """Whether the response or conversation `oid` is `owner`'s."""
+        return self._db.execute(
+            "SELECT 1 FROM responses WHERE id = ? AND owner = ? UNION ALL "
+            "SELECT 1 FROM conversations WHERE id = ? AND owner = ?",
+            (oid, owner, oid, owner)).fetchone() is not None
+
     # -- conversations ------------------------------------------------------------------
-    def new_conversation(self, cid: str, metadata: dict[str, Any], items: list[Item]
-                         ) -> dict[str, Any]:
+    def new_conversation(self, cid: str, metadata: dict[str, Any], items: list[Item],
+                         owner: str = "") -> dict[str, Any]:
         meta = json.dumps(metadata)
         dup = first_duplicate(items)
         if dup is not None:
@@ -583,47 +608,47 @@ class SqliteStore(Store):
         size = len(meta) + sum(len(r[4]) for r in rows)
         with self._write():
             self._room(None, size)
-            self._db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?)",
-                             (cid, int(time.time()), size, len(rows), meta))
+            self._db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?, ?)",
+                             (cid, int(time.time()), size, len(rows), meta, owner))
             self._db.executemany("INSERT INTO items VALUES (?, ?, ?, ?, ?)", rows)
             self._grow(cid, size, 1)
             self._make_room(cid)
         return {"id": cid, "object": "conversation", "created_at": int(time.time()),
                 "metadata": metadata}
 
-    def _conversation(self, cid: str) -> dict[str, Any] | None:
-        row = self._db.execute("SELECT created, metadata FROM conversations WHERE id = ?",
-                               (cid,)).fetchone()
+    def _conversation(self, cid: str, owner: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT created, metadata FROM conversations WHERE id = ? AND "
+                               "owner = ?", (cid, owner)).fetchone()
         if row is None or self._live(cid) is None:
             return None
         self._use(cid)
         return {"id": cid, "object": "conversation", "created_at": row[0],
                 "metadata": json.loads(row[1])}
 
-    def conversation(self, cid: str) -> dict[str, Any] | None:
+    def conversation(self, cid: str, owner: str = "") -> dict[str, Any] | None:
         with self._write():
-            return self._conversation(cid)
+            return self._conversation(cid, owner)
 
-    def conversation_items(self, cid: str) -> list[Item] | None:
+    def conversation_items(self, cid: str, owner: str = "") -> list[Item] | None:
         with self._write():
-            if self._conversation(cid) is None:
+            if self._conversation(cid, owner) is None:
                 return None
             return self._items(cid)
 
-    def conversation_seen(self, cid: str) -> tuple[list[Item], int] | None:
+    def conversation_seen(self, cid: str, owner: str = "") -> tuple[list[Item], int] | None:
         """A conversation's items and the position after them (what a turn saw)."""
         with self._write():
-            if self._conversation(cid) is None:
+            if self._conversation(cid, owner) is None:
                 return None
             nxt = self._db.execute("SELECT next FROM conversations WHERE id = ?",
                                    (cid,)).fetchone()[0]
             return self._items(cid), nxt
 
-    def update_conversation(self, cid: str, metadata: dict[str, Any]
+    def update_conversation(self, cid: str, metadata: dict[str, Any], owner: str = ""
                             ) -> dict[str, Any] | None:
         meta = json.dumps(metadata)
         with self._write():
-            if self._conversation(cid) is None:
+            if self._conversation(cid, owner) is None:
                 return None
             old = self._db.execute("SELECT length(metadata) FROM conversations WHERE id = ?",
                                    (cid,)).fetchone()[0]
@@ -631,11 +656,11 @@ class SqliteStore(Store):
             self._db.execute("UPDATE conversations SET metadata = ?, bytes = bytes + ? "
                              "WHERE id = ?", (meta, len(meta) - old, cid))
             self._grow(cid, len(meta) - old, 0)
-            return self._conversation(cid)
+            return self._conversation(cid, owner)
 
-    def delete_conversation(self, cid: str) -> bool:
+    def delete_conversation(self, cid: str, owner: str = "") -> bool:
         with self._write():
-            if self._conversation(cid) is None:
+            if self._conversation(cid, owner) is None:
                 return False
             size = self._db.execute("SELECT bytes FROM conversations WHERE id = ?",
                                     (cid,)).fetchone()[0]
@@ -644,9 +669,9 @@ class SqliteStore(Store):
             self._shrink(cid, size, 1)
             return True
 
-    def add_items(self, cid: str, items: list[Item]) -> bool:
+    def add_items(self, cid: str, items: list[Item], owner: str = "") -> bool:
         with self._write():
-            if self._conversation(cid) is None:
+            if self._conversation(cid, owner) is None:
                 return False
             have = {r[0] for r in self._db.execute("SELECT id FROM items WHERE owner = ?",
                                                    (cid,))}
@@ -667,9 +692,9 @@ class SqliteStore(Store):
             self._make_room(cid)
         return True
 
-    def delete_item(self, cid: str, item_id: str) -> bool:
+    def delete_item(self, cid: str, item_id: str, owner: str = "") -> bool:
         with self._write():
-            if self._conversation(cid) is None:
+            if self._conversation(cid, owner) is None:
                 return False
             row = self._db.execute("SELECT seq, length(item) FROM items WHERE owner = ? AND "
                                    "id = ?", (cid, item_id)).fetchone()

@@ -124,7 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="required of clients (Bearer or x-api-key); repeat it for several "
+                        "callers, each seeing only the responses and conversations its own "
+                        "key stored")
+    s.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="callers' keys, a JSON object {name: key}: each name's stored "
+                        "objects its own")
     s.add_argument("--no-ui", dest="ui", action="store_false",
                    help="serve no playground page at / (the APIs only)")
     s.add_argument("--chat-template", metavar="FILE", default=None)
@@ -508,11 +514,47 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
     bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20,
                     min(args.store_max_object_mb, args.store_max_mb) << 20
                     if args.store_max_object_mb is not None else None)
-    return replace(ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
+    keys = api_keys(args)
+    single = keys[0][1] if len(keys) == 1 and keys[0][0] == "" else None
+    return replace(ServeConfig(host=args.host, port=args.port, api_key=single,
+                               api_keys=() if single is not None else keys,
                                ui=getattr(args, "ui", True), channel=channel, store=store,
                                store_bounds=bounds),
                    **{k: v or None if k == "request_timeout_s" else v
                       for k, v in given.items() if v is not None})
+
+
+def api_keys(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """(owner, key) pairs from `--api-key` (one alone: owner ""; several: each named by its
+    hash, stable across restarts, so its stored objects stay its own) and `--api-keys-file`
+    (named).
+
+    Raises:
+        ModelConfigError: an unreadable or malformed file, an empty key, a key twice.
+    """
+    import hashlib
+
+    from .errors import ModelConfigError
+
+    given = [k for k in (args.api_key or []) if k is not None]
+    out = ([("", given[0])] if len(given) == 1 and not args.api_keys_file else
+           [("key-" + hashlib.sha256(k.encode()).hexdigest()[:16], k) for k in given])
+    if args.api_keys_file:
+        try:
+            named = json.loads(open(args.api_keys_file).read())
+        except (OSError, ValueError) as e:
+            raise ModelConfigError(f"--api-keys-file {args.api_keys_file}: {e}") from None
+        if not isinstance(named, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+            raise ModelConfigError(f"--api-keys-file {args.api_keys_file}: a JSON object "
+                                   "{name: key} of strings")
+        out += list(named.items())
+    keys = [k for _, k in out]
+    if any(not k for k in keys):
+        raise ModelConfigError("an API key cannot be empty")
+    if len(set(keys)) != len(keys):
+        raise ModelConfigError("an API key is given twice")
+    return tuple(out)
 
 
 def serve_target(args: argparse.Namespace, shard_group: Any = None) -> Any:

@@ -408,13 +408,14 @@ def test_store_work_never_holds_the_event_loop():
         store = app._asgi.app.state.door.store  # type: ignore[attr-defined]
         slow = store.context
 
-        def stalled(rid):
+        def stalled(*args):
             time.sleep(1.5)
-            return slow(rid)
+            return slow(*args)
 
         store.context = stalled
-        t = threading.Thread(target=lambda: c.responses.create(
-            model="default", input="Again.", previous_response_id=r.id))
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(c.responses.create(
+            model="default", input="Again.", previous_response_id=r.id)))
         t.start()
         time.sleep(0.2)  # the turn is inside its store read now
         t0 = time.perf_counter()
@@ -423,6 +424,7 @@ def test_store_work_never_holds_the_event_loop():
         took = time.perf_counter() - t0
         t.join()
         assert took < 0.5, f"the event loop was held {took:.2f}s by the store"
+        assert done and done[0].previous_response_id == r.id  # the stalled turn went on
     finally:
         app.stop()
 
@@ -437,3 +439,74 @@ def test_a_store_url_is_an_error_at_start_never_a_file_path(url, tmp_path, monke
     with pytest.raises(ModelConfigError, match="not supported"):
         cli.serve_config(cli.build_parser().parse_args(["serve", "--store", url]))
     assert list(tmp_path.iterdir()) == []  # no folder named after the scheme
+
+
+KEYS = ("k-alice", "k-bob")
+
+
+def test_each_keys_stored_objects_are_its_own():
+    """Two keys: every stored-object route and parameter of the other key's objects is a 404
+    (nothing about them leaks), and each key's own work as before."""
+    app = serve(FakeEngine([finished("Blue.")]), "--api-key", KEYS[0], "--api-key", KEYS[1])
+    try:
+        alice, bob = app.client(KEYS[0]), app.client(KEYS[1])
+        conv = alice.conversations.create(items=[{"type": "message", "role": "user",
+                                                  "content": "Hello."}])
+        r = alice.responses.create(model="default", input="Name a colour.")
+        item = alice.responses.input_items.list(r.id).data[0].id
+        conv_item = alice.conversations.items.list(conv.id).data[0].id
+        tries = {
+            "retrieve": lambda: bob.responses.retrieve(r.id),
+            "delete": lambda: bob.responses.delete(r.id),
+            "input_items": lambda: bob.responses.input_items.list(r.id),
+            "previous_response_id": lambda: bob.responses.create(
+                model="default", input="x", previous_response_id=r.id),
+            "conversation": lambda: bob.responses.create(model="default", input="x",
+                                                         conversation=conv.id),
+            "item_reference": lambda: bob.responses.create(
+                model="default", input=[{"type": "item_reference", "id": item}]),
+            "conversations.retrieve": lambda: bob.conversations.retrieve(conv.id),
+            "conversations.update": lambda: bob.conversations.update(conv.id,
+                                                                     metadata={"a": "b"}),
+            "conversations.delete": lambda: bob.conversations.delete(conv.id),
+            "items.list": lambda: bob.conversations.items.list(conv.id),
+            "items.create": lambda: bob.conversations.items.create(
+                conv.id, items=[{"type": "message", "role": "user", "content": "x"}]),
+            "items.retrieve": lambda: bob.conversations.items.retrieve(conv_item,
+                                                                       conversation_id=conv.id),
+            "items.delete": lambda: bob.conversations.items.delete(conv_item,
+                                                                   conversation_id=conv.id),
+            "conversation item_reference": lambda: bob.conversations.create(
+                items=[{"type": "item_reference", "id": conv_item}]),
+        }
+        for name, call in tries.items():
+            e = sdk_error(call)
+            assert e.status_code == 404, (name, e.status_code, e.body)
+        # nothing of alice's changed, and she still has all of it
+        assert alice.responses.retrieve(r.id).id == r.id
+        assert [i.id for i in alice.conversations.items.list(conv.id).data] == [conv_item]
+        assert alice.conversations.retrieve(conv.id).metadata in ({}, None)
+        r2 = alice.responses.create(model="default", input="Again.", previous_response_id=r.id)
+        assert len(alice.responses.input_items.list(r2.id).data) == 3
+        # bob's own objects work for bob
+        rb = bob.responses.create(model="default", input="Mine.")
+        assert bob.responses.retrieve(rb.id).id == rb.id
+        assert sdk_error(lambda: alice.responses.retrieve(rb.id)).status_code == 404
+        # a wrong key is a 401, as before
+        assert sdk_error(lambda: app.client("nope").responses.retrieve(rb.id)).status_code == 401
+    finally:
+        app.stop()
+
+
+def test_the_v2_file_gains_owners(tmp_path):
+    """A file of the units layout (schema 2) opens with its objects owned by no key."""
+    path = tmp_path / "s.sqlite3"
+    s = SqliteStore(path)
+    s.put_turn(resp("resp_1"), [msg("in_1")])
+    s._db.execute("ALTER TABLE responses DROP COLUMN owner")
+    s._db.execute("ALTER TABLE conversations DROP COLUMN owner")
+    s._db.execute("PRAGMA user_version=2")
+    s.close()
+    s = SqliteStore(path)
+    assert s.response("resp_1") is not None and s.response("resp_1", "key-x") is None
+    assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
