@@ -23,7 +23,10 @@ def free_port() -> int:
 
 
 class Server:
-    """Start `specdec serve ARGS...` and wait for /health; `stop()` ends it.
+    """Start `specdec serve ARGS...` and wait for /health; `stop()` ends it. A server whose
+    ARGS name no `--store` gets a store file of its own (in a temporary folder, gone with
+    it), never the user's (`$SPECDEC_CACHE/responses.sqlite3`), which another checkout's
+    server may hold, or have written in a later schema.
 
     Args:
         env: variables to set for the server (e.g. SPECDEC_BLAS=reference).
@@ -42,6 +45,10 @@ class Server:
         env.pop("SPECDEC_BLAS", None)  # the server picks the fast BLAS itself
         env.update(extra)
         launcher = launcher or [sys.executable, "-m", "specdec"]
+        self._store = None
+        if not any(a == "--store" or a.startswith("--store=") for a in args):
+            self._store = tempfile.TemporaryDirectory(prefix="specdec-store-")
+            args = (*args, "--store", os.path.join(self._store.name, "responses.sqlite3"))
         # The log goes to a file: a pipe nobody reads would block the server once full.
         self._log = tempfile.NamedTemporaryFile("w+", prefix="specdec-serve-", suffix=".log")
         self.proc = subprocess.Popen(
@@ -78,6 +85,9 @@ class Server:
         if not self._log.closed:
             self._final = self.log()
             self._log.close()
+        if self._store is not None:
+            self._store.cleanup()
+            self._store = None
 
 
 class InProcess:
