@@ -510,18 +510,23 @@ class SqliteStore(Store):
                 self._grow(unit, grown, 0)
             self._make_room(unit)
 
+    def _used_response(self, rid: str, owner: str) -> str | None:
+        """`owner`'s stored response `rid`'s body, its unit used now (None: not there)."""
+        row = self._db.execute("SELECT body FROM responses WHERE id = ? AND owner = ?",
+                               (rid, owner)).fetchone()
+        unit = self._live(rid) if row is not None else None
+        if unit is None:
+            return None
+        self._use(unit)
+        return row[0]
+
     def response(self, rid: str, owner: str = "") -> dict[str, Any] | None:
         with self._write():
-            row = self._db.execute("SELECT body FROM responses WHERE id = ? AND owner = ?",
-                                   (rid, owner)).fetchone()
-            unit = self._live(rid) if row is not None else None
-            if unit is None:
+            body = self._used_response(rid, owner)
+            if body is None:
                 return None
-            self._use(unit)
-            out = json.loads(row[0])
-            out["output"] = [json.loads(r[0]) for r in self._db.execute(
-                "SELECT item FROM items WHERE owner = ? AND part = 'output' ORDER BY seq",
-                (rid,))]
+            out = json.loads(body)
+            out["output"] = self._items(rid, "output")
             return out
 
     def _chain(self, rid: str) -> list[tuple[str, str | None, int | None]]:
@@ -546,12 +551,8 @@ class SqliteStore(Store):
         return [json.loads(r[0]) for r in self._db.execute(q + " ORDER BY seq", args)]
 
     def _input(self, rid: str, owner: str, with_output: bool) -> list[Item] | None:
-        known = self._db.execute("SELECT 1 FROM responses WHERE id = ? AND owner = ?",
-                                 (rid, owner)).fetchone()
-        unit = self._live(rid) if known is not None else None
-        if unit is None:
+        if self._used_response(rid, owner) is None:
             return None
-        self._use(unit)
         out: list[Item] = []
         chain = self._chain(rid)
         for n, (oid, conv, upto) in enumerate(chain):

@@ -388,7 +388,11 @@ def test_a_turn_waiting_past_its_time_limit_is_a_409_naming_the_conversation():
         first = threading.Thread(target=lambda: c.responses.create(  # (takes 3 s)
             model="default", input="one", conversation=conv.id))
         first.start()
-        time.sleep(0.3)
+        turns = app._asgi.app.state.door.turns  # type: ignore[attr-defined]
+        deadline = time.time() + 60
+        while not (conv.id in turns and turns[conv.id].locked()):  # the first holds it
+            assert time.time() < deadline
+            time.sleep(0.01)
         e = sdk_error(lambda: c.responses.create(model="default", input="two",
                                                 conversation=conv.id))
         assert e.status_code == 409 and conv.id in e.body["message"]
@@ -407,9 +411,11 @@ def test_store_work_never_holds_the_event_loop():
         r = c.responses.create(model="default", input="Name a colour.")
         store = app._asgi.app.state.door.store  # type: ignore[attr-defined]
         slow = store.context
+        inside, release = threading.Event(), threading.Event()
 
-        def stalled(*args):
-            time.sleep(1.5)
+        def stalled(*args):  # held until the other requests were answered (at most 60 s)
+            inside.set()
+            release.wait(60)
             return slow(*args)
 
         store.context = stalled
@@ -417,13 +423,13 @@ def test_store_work_never_holds_the_event_loop():
         t = threading.Thread(target=lambda: done.append(c.responses.create(
             model="default", input="Again.", previous_response_id=r.id)))
         t.start()
-        time.sleep(0.2)  # the turn is inside its store read now
-        t0 = time.perf_counter()
+        assert inside.wait(60)  # the turn is inside its store read now
         assert app.http.get("/health").status_code == 200
         assert app.http.get("/v1/models").status_code == 200
-        took = time.perf_counter() - t0
+        # answered while the store call was still held (a held loop would answer only after)
+        assert not release.is_set() and not done
+        release.set()
         t.join()
-        assert took < 0.5, f"the event loop was held {took:.2f}s by the store"
         assert done and done[0].previous_response_id == r.id  # the stalled turn went on
     finally:
         app.stop()
