@@ -51,7 +51,7 @@ from .request_grammar import GrammarClock, RequestGrammar
 from .types import DecodeFinish, GrammarState, TokenId
 from .speculative import (TREE_MIN_SCORE, Ask, DraftSide, Evaluate, Forward, Proposals,
                           Proposer, RequestView, RoundBounds, SpecConfig, SpecStats, TreeCosts,
-                          trim_cache, tree_masks, tree_path, verify_masks)
+                          mask_allows, trim_cache, tree_masks, tree_path, verify_masks)
 
 log = logging.getLogger("specdec")
 _SAID: set[str] = set()  # reasons for limited speculation already logged
@@ -485,7 +485,9 @@ def run_round(models: Models, states: Sequence[DecodeState],
             s.error = e
             continue
         if n_ok < len(props[i]):
-            s.stats.grammar_cuts += 1
+            # a cut where the grammar forbade a proposal; fewer verified for the round's
+            # budget (`over_round_budget`: every proposal kept was allowed) is not one
+            s.stats.grammar_cuts += not mask_allows(bitmask[n_ok], props[i][n_ok])
             props[i] = props[i][:n_ok]
             proposed[i] = proposed[i]._replace(tokens=props[i],
                                                sources=proposed[i].sources[:n_ok])
