@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Request as HTTPRequest
@@ -301,6 +301,23 @@ class Fold(Protocol):
         ...
 
 
+def cache_scope(owner: str, body: BaseModel) -> str:
+    """The prompt store's partition a request reads and adds to
+    (`GenerateRequest.cache_scope`): its API key's owner, and within it the body's
+    `prompt_cache_key` where given (OpenAI's finer partition of the prompt cache). So a
+    caller's `cached_tokens` and timing never reveal another caller's prompts.
+
+    Raises:
+        WireError: a `prompt_cache_key` that is not a string (400 naming it).
+    """
+    key = (getattr(body, "model_extra", None) or {}).get("prompt_cache_key")
+    if key is None:
+        return owner
+    if not isinstance(key, str):
+        raise bad_request("prompt_cache_key must be a string", "prompt_cache_key")
+    return f"{owner}\x1f{key}"
+
+
 class Door:
     """The served models as the API modules see them: a request names its model
     (`route`), which `open` leases (loading it on first use) for the request's life."""
@@ -311,6 +328,11 @@ class Door:
             None if config.store == "none" else
             SqliteStore(":memory:" if config.store == "memory" else config.store,
                         config.store_bounds))
+        if self.store is not None:  # background responses a stopped server left running
+            n = self.store.interrupted("the server stopped while this response was in progress")
+            if n:
+                log.warning("%d background response(s) left in progress by a stopped server "
+                            "marked failed", n)
         # Store work runs here, one call at a time in arrival order, never on the event loop
         # (a write that evicts, a locked file, a slow disk stall no stream).
         self.store_thread = ThreadPoolExecutor(1, thread_name_prefix="specdec-store")
@@ -486,7 +508,9 @@ class Door:
     async def serve(self, http: HTTPRequest, body_type: type[B],
                     request: Callable[[B], GenerateRequest | Awaitable[GenerateRequest]],
                     fold: Callable[[B, Run], Fold],
-                    error: Callable[[SpecdecError, B], Response]) -> Response:
+                    error: Callable[[SpecdecError, B], Response],
+                    detach: Callable[[B, Run, Fold], Awaitable[Response | None]] | None = None
+                    ) -> Response:
         """Every API's route: parse the body, route it (a model this server does not serve
         is a 404 before the rest of the body is read), make the neutral request, open the
         run and answer through the API's fold: its stream, or its whole answer once the run
@@ -496,15 +520,20 @@ class Door:
         Args:
             body_type: the API's body model. request: the neutral request a body means.
             fold: the API's answer to a run. error: an error in the API's shape, in the
-                body's field names.
+                body's field names. detach: where the API takes the run over (a background
+                response), its answer now; None: answered here as usual.
         """
         body = await self.parse(http, body_type)
         try:
             seat = self.route(body.model)  # type: ignore[attr-defined]
             made = request(body)
             greq = await made if inspect.isawaitable(made) else made
+            greq = replace(greq, cache_scope=cache_scope(getattr(http.state, "owner", ""), body))
             run = await self.open(greq, http, seat)
             out = fold(body, run)
+            taken = await detach(body, run, out) if detach is not None else None
+            if taken is not None:
+                return taken
             headers = {**out.headers(), **request_headers(run.request)}
             if body.stream:  # type: ignore[attr-defined]
                 return RunResponse(run, _stream(run, out), headers)
@@ -596,6 +625,7 @@ class Run:
     closed: bool = False
     prepare_s: float = 0.0  # rendering its prompt and compiling (or finding) its grammar
     on_close: list[Callable[[], None]] = field(default_factory=list)  # called at its end
+    detached: bool = False  # runs whether or not its client stays (a background response)
 
     @property
     def model(self) -> str:
@@ -629,7 +659,7 @@ class Run:
         try:
             while True:
                 ev = await self.stream.next(timeout=0.5)
-                if time.monotonic() - checked >= 0.5:
+                if not self.detached and time.monotonic() - checked >= 0.5:
                     checked = time.monotonic()
                     if await self.http.is_disconnected():
                         self.left = True

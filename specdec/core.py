@@ -131,6 +131,7 @@ class DecodeState:
     # earlier answers proposing (`SpecConfig.suffix`), and its key there (`lookup.grammar_key`
     # of its grammar)
     suffixes: tuple[SuffixStore, str | None] | None = None
+    scope: str = ""  # the prompt store's partition it reads and adds to (`Request.scope`)
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
@@ -204,6 +205,7 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     s.logprobs = req.logprobs if sources is None else max(req.logprobs or 0, sources)
     s.reported.sources = [] if sources is not None else None
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
+    s.scope = getattr(req, "scope", "")
     if req.prefill_only:
         s.max_tokens = 0  # a history prefill: it generates nothing (`prefill_arrivals`)
     if s.spec is not None and s.spec.lookup:
@@ -255,12 +257,13 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
         return
     t0 = time.perf_counter()
     head = list(s.prompt[:-1])
-    fill = kv_store.prefill if kv_store is not None else prefill_tokens
-    if kv_store is not None and kv_store.has(models.target, head):
+    if kv_store is not None and kv_store.has(models.target, head, s.scope):
         s.stats.prompt_cached = len(head)
-    fill(models.target, head, s.t_cache)
-    if s.d_cache:
-        fill(models.draft, head, s.d_cache)
+    for model, cache in ((models.target, s.t_cache), (models.draft, s.d_cache)):
+        if cache and kv_store is not None:
+            kv_store.prefill(model, head, cache, s.scope)
+        elif cache:
+            prefill_tokens(model, head, cache)
     mx.eval([c.state for c in s.t_cache + s.d_cache])
     s.to_prefill = 0
     s.stats.prefill_s += time.perf_counter() - t0
@@ -309,9 +312,9 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
         s.stats.prefill_s += spent
         if s.to_prefill == 0 and kv_store is not None:
             head = list(s.prompt[:-1])
-            kv_store.store(models.target, head, s.t_cache)
+            kv_store.store(models.target, head, s.t_cache, s.scope)
             if s.d_cache:
-                kv_store.store(models.draft, head, s.d_cache)
+                kv_store.store(models.draft, head, s.d_cache, s.scope)
 
 
 def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache
@@ -335,8 +338,8 @@ def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache
         for c in cache:  # rows past the output (a last round's unaccepted proposals) go
             if c.offset > n:
                 c.trim(c.offset - n)
-        kv_store.store(model, s.seq[:n], cache)
-        kv_store.drop(model, s.prompt[:-1])
+        kv_store.store(model, s.seq[:n], cache, s.scope)
+        kv_store.drop(model, s.prompt[:-1], s.scope)
         kept.append((role, tuple(s.seq[:n])))
     return tuple(kept)
 
@@ -346,15 +349,15 @@ def _restore_prefix(models: Models, s: DecodeState, head: list[TokenId],
     """Load the longest stored target state `head` starts with, and bring the draft's cache
     to the same position; returns that position (0: nothing stored, caches untouched)."""
     at = kv_store.restore_prefix(models.target, head, s.t_cache,
-                                 trims=ragged.exact_prefix(s.t_cache))
+                                 trims=ragged.exact_prefix(s.t_cache), scope=s.scope)
     if at and s.d_cache:
         d_at = kv_store.restore_prefix(models.draft, head[:at], s.d_cache,
-                                       trims=ragged.exact_prefix(s.d_cache))
+                                       trims=ragged.exact_prefix(s.d_cache), scope=s.scope)
         s.stats.draft_cached = d_at
         if d_at < at:
             prefill_tokens(models.draft, head[d_at:at], s.d_cache)
             if at == len(head):  # a whole prompt: stored for the next one as the target's is
-                kv_store.store(models.draft, head, s.d_cache)
+                kv_store.store(models.draft, head, s.d_cache, s.scope)
         mx.eval([c.state for c in s.d_cache])
     return at
 

@@ -76,19 +76,23 @@ class PromptKVCache:
 
     Bounded in entries (`capacity`; a speculative request stores two: target and draft) and
     in bytes (`max_bytes`, the stored arrays); least recently used entries go first.
+
+    Partitioned by scope (`GenerateRequest.cache_scope`): a state stored in one scope is
+    never restored, found or dropped from another; "" is the default scope.
     """
 
     def __init__(self, capacity: int = 64, max_bytes: int = 1 << 30) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
         self.nbytes = 0
-        self._entries: OrderedDict[tuple[int, tuple[int, ...]],
+        self._entries: OrderedDict[tuple[tuple[int, str], tuple[int, ...]],
                                    tuple[nn.Module, list, mx.array | None]]
         self._entries = OrderedDict()
         self.hits = 0
 
-    def prefill(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> mx.array:
+    def prefill(self, model: nn.Module, prompt: Sequence[TokenId], cache: list,
+                scope: str = "") -> mx.array:
         """Like `prefill`, restoring a stored state when this model saw this prompt."""
-        key = (id(model), tuple(prompt))
+        key = ((id(model), scope), tuple(prompt))
         entry = self._entries.get(key)
         if entry is not None and entry[0] is model and entry[2] is not None:
             self._entries.move_to_end(key)
@@ -102,13 +106,13 @@ class PromptKVCache:
         self._put(key, model, cache, logits)
         return logits
 
-    def has(self, model: nn.Module, prompt: Sequence[TokenId]) -> bool:
-        """Whether a state for (model, prompt) is stored."""
-        entry = self._entries.get((id(model), tuple(prompt)))
+    def has(self, model: nn.Module, prompt: Sequence[TokenId], scope: str = "") -> bool:
+        """Whether a state for (model, prompt) is stored in `scope`."""
+        entry = self._entries.get(((id(model), scope), tuple(prompt)))
         return entry is not None and entry[0] is model
 
     def restore_prefix(self, model: nn.Module, prompt: Sequence[TokenId], cache: list,
-                       trims: bool, least: int = PREFIX_MIN) -> int:
+                       trims: bool, least: int = PREFIX_MIN, scope: str = "") -> int:
         """Load the stored state of `model` that shares the longest prefix with `prompt` into
         `cache`, cut to that prefix; returns its length in positions (0: nothing loaded).
 
@@ -121,7 +125,7 @@ class PromptKVCache:
         p = tuple(prompt)
         best, key = 0, None
         for k, (m, _, _) in self._entries.items():
-            if k[0] != id(model) or m is not model:
+            if k[0] != (id(model), scope) or m is not model:
                 continue
             n = _shared(p, k[1])
             if n < len(k[1]) and (not trims or n < least):
@@ -147,17 +151,19 @@ class PromptKVCache:
         self._entries.clear()
         self.nbytes = 0
 
-    def drop(self, model: nn.Module, prompt: Sequence[TokenId]) -> None:
-        """Forget the state of (model, prompt), where one is stored."""
-        old = self._entries.pop((id(model), tuple(prompt)), None)
+    def drop(self, model: nn.Module, prompt: Sequence[TokenId], scope: str = "") -> None:
+        """Forget the state of (model, prompt) in `scope`, where one is stored."""
+        old = self._entries.pop(((id(model), scope), tuple(prompt)), None)
         if old is not None:
             self.nbytes -= _entry_bytes(old)
 
-    def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list) -> None:
-        """Keep a copy of `cache` (which holds exactly `prompt`) for later requests."""
-        self._put((id(model), tuple(prompt)), model, cache, None)
+    def store(self, model: nn.Module, prompt: Sequence[TokenId], cache: list,
+              scope: str = "") -> None:
+        """Keep a copy of `cache` (which holds exactly `prompt`) for later requests of
+        `scope`."""
+        self._put(((id(model), scope), tuple(prompt)), model, cache, None)
 
-    def _put(self, key: tuple[int, tuple[int, ...]], model: nn.Module, cache: list,
+    def _put(self, key: tuple[tuple[int, str], tuple[int, ...]], model: nn.Module, cache: list,
              logits: mx.array | None) -> None:
         if self.capacity > 0:
             old = self._entries.pop(key, None)

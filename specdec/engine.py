@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,6 +54,7 @@ __all__ = ["CompileTimeout", "Engine", "EngineDefaults", "Finished", "GenerateRe
 # and 10% at 16, where the fp32 forward is compute-bound and forced and looked-up proposals
 # already fill the verify rows; bench row `draft_left_out_over_kept_c8` checks it at 8.
 CPU_DRAFT_MAX_BATCH = 4
+SCOPES = 64  # the cache scopes whose earlier answers are kept (`Engine.suffixes_of`)
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -136,7 +138,8 @@ class Engine:
             if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 0):
                 raise RequestError(f"{name}={mb!r}: must be an integer >= 0", param=name)
         self.kv_store = PromptKVCache(max_bytes=prompt_store_mb << 20)
-        self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix`
+        self.suffixes = SuffixStore()  # earlier answers, for `SpecConfig.suffix` (scope "")
+        self._scoped: OrderedDict[str, SuffixStore] = OrderedDict()  # other scopes' (LRU)
         self.tree_costs = TreeCosts()  # what branch rows cost on this machine now
         if isinstance(grammar_cache_mb, bool) or not isinstance(grammar_cache_mb, int) \
                 or grammar_cache_mb < 0:
@@ -477,9 +480,21 @@ class Engine:
             req = dataclasses.replace(req, closing=dataclasses.replace(
                 req.closing, order=self.compiler.closing_order(self.target.vocab_size)))
         return new_state(self.models, req, self.target.eos_token_ids,
-                         matcher=self.matcher(req), suffixes=self.suffixes,
+                         matcher=self.matcher(req), suffixes=self.suffixes_of(req.scope),
                          suffix_key=(grammar_key(req.grammar.text)
                                      if req.grammar is not None else None))
+
+
+    def suffixes_of(self, scope: str) -> SuffixStore:
+        """The earlier answers a request of `scope` proposes from and adds to
+        (`GenerateRequest.cache_scope`): one store per scope, the `SCOPES` used last kept."""
+        if not scope:
+            return self.suffixes
+        store = self._scoped.pop(scope, None) or SuffixStore()
+        self._scoped[scope] = store
+        while len(self._scoped) > SCOPES:
+            self._scoped.popitem(last=False)
+        return store
 
 
 def drop(_event: Event) -> None:

@@ -74,6 +74,8 @@ class Request:
             (`core.keep_answer`) for a next turn; a request prepared from a
             `GenerateRequest` keeps them only where a next turn is likely
             (`GenerateRequest.next_turn_likely`), one prepared from token ids always.
+        scope: the prompt store and earlier answers it may reuse and adds to
+            (`GenerateRequest.cache_scope`).
     """
 
     prompt_ids: tuple[TokenId, ...]
@@ -96,6 +98,7 @@ class Request:
     supersedes: tuple[tuple[str, tuple[TokenId, ...]], ...] = field(default=(), repr=False,
                                                                     compare=False)
     keep: bool = field(default=True, compare=False)
+    scope: str = field(default="", compare=False)
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -276,7 +279,8 @@ class Preparer:
                                 thinking=thinking,
                                 close_at_budget=r.close_at_budget,
                                 closing_hints=self._closing_hints(fmt) if tools else ())
-        return dataclasses.replace(req, tools=tools, calls=calls, keep=r.next_turn_likely)
+        return dataclasses.replace(req, tools=tools, calls=calls, keep=r.next_turn_likely,
+                                   scope=r.cache_scope)
 
     def history_ids(self, r: GenerateRequest, answer: Message) -> list[TokenId] | None:
         """The prompt ids a conversation's next request starts with once `answer` (this
@@ -324,7 +328,7 @@ class Preparer:
         spec = (dataclasses.replace(self.default_spec, lookup=False, suffix=False)
                 if self.speculates and self.default_spec is not None else None)
         return Request((*ids, ids[-1]), max_tokens=1, spec=spec, prefill_only=True,
-                       supersedes=supersedes)
+                       supersedes=supersedes, scope=r.cache_scope)
 
     def _render(self, r: GenerateRequest, tools: tuple[Tool, ...]
                 ) -> tuple[list[TokenId], Thinking | None, ToolFormat | None]:

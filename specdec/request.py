@@ -200,6 +200,11 @@ class GenerateRequest:
             is kept in the prompt store and its history prefilled for that turn
             (`Request.keep`). None: decided from the request itself: tools in it, or an
             earlier turn in its messages (a one-shot request pays for no next turn).
+        cache_scope: whose prompt and answer reuse it shares: requests of one scope
+            restore each other's stored prompt states and propose from each other's earlier
+            answers; none is reused across scopes, so another caller's prompts never show
+            in `cached_tokens` or in timing (the server's scope: the API key's owner, and
+            `prompt_cache_key` within it). "" for every request: one shared scope.
     """
 
     messages: tuple[Message, ...] = ()
@@ -220,6 +225,7 @@ class GenerateRequest:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     close_at_budget: bool = True
     continues: bool | None = None
+    cache_scope: str = ""
 
     @property
     def next_turn_likely(self) -> bool:

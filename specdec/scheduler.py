@@ -530,7 +530,7 @@ class Scheduler:
                 for role, key in t.request.supersedes:
                     model = self.models.target if role == "target" else self.models.draft
                     if key != head and model is not None:
-                        self.kv_store.drop(model, key)
+                        self.kv_store.drop(model, key, s.scope)
             self._finish(t)
         ready = [t for t in self._active if t.state is not None and t.state.ready
                  and t not in idle]
