@@ -17,10 +17,13 @@ and the request's input and output items are added to it); an `item_reference` i
 is the stored item of that id. `GET`/`DELETE /v1/responses/{id}` and `GET
 /v1/responses/{id}/input_items` read and delete them. An id not stored is a 404 in
 OpenAI's shape; with `specdec serve --store none` nothing is kept and asking for it is a
-400.
+400. `background: true` answers at once and runs on without its client (`server.background`:
+polled, cancelled by `POST /v1/responses/{id}/cancel`, its stream resumed by `GET
+/v1/responses/{id}?stream=true&starting_after=N`).
 
 Accepted and ignored (they do not change the output): metadata (echoed), user,
-service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention,
+service_tier, safety_identifier, prompt_cache_key (it partitions the prompt store within
+the API key's: `door.cache_scope`), prompt_cache_retention,
 prompt_cache_options, stream_options, background_options, max_tool_calls (built-in tools
 only), image, access_programs, reasoning.summary and generate_summary (the reasoning comes
 whole, as `reasoning_text`), and input items' ids, statuses and annotations.
@@ -52,6 +55,7 @@ from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, T
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
                              ToolChoice)
 
+from .background import Backgrounds
 from .door import (Door, Fold, Run, SSEEvent, extension, rest_sources, sampling, token_sources,
                    tool)
 from .errors import WireError, bad_request, message_of, openai_body, openai_response
@@ -150,8 +154,11 @@ class Turn:
         conv = body.conversation.id if isinstance(body.conversation, ConversationRef) \
             else body.conversation
         refs = [i for i, it in enumerate(body.input) if it.type == "item_reference"]
+        if body.background and body.store is False:
+            raise bad_request("background: true needs store: true (a background response is "
+                              "polled, streamed and cancelled by its id)", "background")
         if store is None:
-            for given, name in ((body.store, "store"),
+            for given, name in ((body.store, "store"), (body.background, "background"),
                                 (body.previous_response_id, "previous_response_id"),
                                 (conv, "conversation"), (refs, f"input[{refs[0] if refs else 0}]")):
                 if given:
@@ -332,7 +339,7 @@ def head(body: ResponsesRequest, run: Run, turn: Turn) -> dict[str, Any]:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "store": turn.stored,
             "conversation": {"id": turn.conversation} if turn.conversation else None,
-            "background": False,
+            "background": bool(body.background),
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                           "summary": None},
             "temperature": run.request.sampling.temperature, "top_p": run.request.sampling.top_p,
@@ -367,6 +374,10 @@ class Writer(Fold):
         return cls(head(body, run, turn), run, turn, door)
 
     def opening(self) -> list[SSEEvent]:
+        if self.head["background"]:  # (answered queued; it runs as soon as it is admitted)
+            return [self.response("response.created", "queued"),
+                    self.response("response.queued", "queued"),
+                    self.response("response.in_progress")]
         return [self.response("response.created"), self.response("response.in_progress")]
 
     def answer(self) -> dict[str, Any]:
@@ -480,9 +491,29 @@ class Writer(Fold):
         # ResponseError.code is an enum of OpenAI's own codes: ours goes in `specdec`.
         error = {**openai_body(ev.error, PARAMS)["error"], "code": "server_error",
                  "message": message_of(ev.error)}
-        return self._close("incomplete") + [self.response(
+        out = self._close("incomplete") + [self.response(
             "response.failed", "failed", output=self.items, error=error,
             specdec={"code": ev.error.code})]
+        self.final = out[-1][1]["response"]
+        return out
+
+    def fail_all(self, message: str) -> list[SSEEvent]:
+        """The response failed outside the run (a background response the server
+        stopped): its open item closed, `response.failed`."""
+        out = self._close("incomplete") + [self.response(
+            "response.failed", "failed", output=self.items,
+            error={"code": "server_error", "message": message})]
+        self.final = out[-1][1]["response"]
+        return out
+
+    def cancel(self) -> list[SSEEvent]:
+        """A background response cancelled: its open item closed (incomplete), the
+        response `cancelled` with what it wrote, and the stream's end as an `error` event
+        (code `response_cancelled`: the Responses stream has no cancelled event)."""
+        out = self._close("incomplete")
+        self.final = {**self.head, "status": "cancelled", "output": self.items}
+        return out + [self.event("error", code="response_cancelled", param=None,
+                                 message=f"response {self.head['id']} was cancelled")]
 
 
 RESPONSES: dict[int | str, dict[str, Any]] = {200: {
@@ -519,6 +550,7 @@ def listing(items: list[Item] | None, after: str | None, limit: int, order: str,
 
 def router(door: Door) -> APIRouter:
     api = APIRouter()
+    backgrounds = Backgrounds(door)
 
     @api.post(PREFIX, response_model=None, responses=RESPONSES)
     async def create(http: Request) -> Response:
@@ -538,8 +570,14 @@ def router(door: Door) -> APIRouter:
             run.on_close.append(body.turn.ended)  # (however the run ends)
             return Writer.of(body, run, body.turn, door)
 
+        async def detach(body: ResponsesRequest, run: Run, out: Fold) -> Response | None:
+            if not body.background:
+                return None
+            assert isinstance(out, Writer)
+            return await backgrounds.start(out, run, bool(body.stream))
+
         try:
-            return await door.serve(http, ResponsesRequest, request, fold, error)
+            return await door.serve(http, ResponsesRequest, request, fold, error, detach)
         finally:
             for t in turns:
                 if not t.attached:  # refused before it ran
@@ -552,10 +590,36 @@ def router(door: Door) -> APIRouter:
             raise not_found("response", rid, None, "response_not_found")
         return got
 
-    @api.get(PREFIX + "/{rid}", response_model=None, responses=error_responses(401, 404, 503))
-    async def retrieve(rid: str, http: Request) -> Response:
+    @api.get(PREFIX + "/{rid}", response_model=None,
+             responses={**error_responses(400, 401, 404, 503), **RESPONSES})
+    async def retrieve(rid: str, http: Request, stream: bool = False,
+                       starting_after: int | None = None) -> Response:
+        """A stored response (a background one as it stands now); with stream=true, a
+        background response's events after `starting_after`, then live."""
+        owner = owner_of(http)
         try:
-            return JSONResponse(await stored(rid, owner_of(http)))
+            job = backgrounds.get(rid, owner)
+            got = job.snapshot() if job is not None and not stream else await stored(rid, owner)
+            if stream:
+                return backgrounds.stream(rid, owner, starting_after, got)
+            return JSONResponse(got)
+        except SpecdecError as e:
+            return error(e)
+
+    @api.post(PREFIX + "/{rid}/cancel", response_model=None,
+              responses=error_responses(400, 401, 404, 503))
+    async def cancel(rid: str, http: Request) -> Response:
+        """Stop a background response (idempotent: one that ended is answered as is)."""
+        owner = owner_of(http)
+        try:
+            now = await backgrounds.cancel(rid, owner)
+            if now is None:
+                now = await stored(rid, owner)
+                if not now.get("background"):
+                    raise bad_request(f"response {rid!r} was not created with background: "
+                                      "true; only a background response can be cancelled",
+                                      None)
+            return JSONResponse(now)
         except SpecdecError as e:
             return error(e)
 
@@ -563,6 +627,7 @@ def router(door: Door) -> APIRouter:
                 responses=error_responses(401, 404, 503))
     async def delete(rid: str, http: Request) -> Response:
         try:
+            await backgrounds.cancel(rid, owner_of(http))  # (one running stops first)
             if door.store is None or not await door.stored(door.store.delete_response, rid,
                                                            owner_of(http)):
                 return error(not_found("response", rid, None, "response_not_found"))

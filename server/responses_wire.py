@@ -20,7 +20,6 @@ from .door import Extensions, Float, Int, Seed, Unmodeled, within_context
 NOOP: dict[str, tuple[tuple[Any, ...], str]] = {
     "include": ((None, []), "no includable extras (logprobs, encrypted reasoning) are given"),
     "truncation": ((None, "disabled"), "input is never truncated (too long is a 400)"),
-    "background": ((None, False), "responses run in the foreground only"),
     "prompt": ((None,), "stored prompt templates are not available"),
     "top_logprobs": ((None,), "logprobs are not implemented on this endpoint"),
     "context_management": ((None, []), "context compaction is not implemented"),
@@ -163,6 +162,8 @@ class _Request(_Wire):
     top_p: Float | None = Field(None, gt=0, le=1)
     reasoning: ReasoningConfig | None = None
     stream: bool | None = None
+    background: bool | None = Field(None, description="true: answered at once (queued), "
+                                    "then polled, streamed or cancelled by id; needs store")
     max_tool_calls: Int | None = Field(None, ge=0, description="accepted and ignored: "
                                                                "built-in tools only")
     seed: Seed = None

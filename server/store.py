@@ -145,12 +145,20 @@ class Store:
 
     def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
                  parent: str | None = None, conversation: str | None = None,
-                 upto: int | None = None, owner: str = "") -> None:
+                 upto: int | None = None, owner: str = "", final: bool = True) -> None:
         """Keep a finished turn in one transaction: the response (where `stored`: its
         object, its own input items `own`, its `output`, continuing `parent` or the first
-        `upto` items of `conversation`) and, where in a conversation, `own` and the output
-        appended to it. Its unit's room is checked before the turn's work (`check_room`),
-        not here: a turn that passed it is stored."""
+        `upto` items of `conversation`; replacing the response of that id where one is
+        stored) and, where in a conversation and `final`, `own` and the output appended to
+        it. `final` False: a background response not (or not successfully) finished: queued,
+        in progress, cancelled or failed, which adds nothing to its conversation. Its unit's
+        room is checked before the turn's work (`check_room`), not here: a turn that passed
+        it is stored."""
+        raise NotImplementedError
+
+    def interrupted(self, why: str) -> int:
+        """Mark every response still queued or in progress (a background response whose
+        server stopped) failed, its error `why`; returns how many."""
         raise NotImplementedError
 
     def response(self, rid: str, owner: str = "") -> dict[str, Any] | None:
@@ -470,7 +478,7 @@ class SqliteStore(Store):
 
     def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
                  parent: str | None = None, conversation: str | None = None,
-                 upto: int | None = None, owner: str = "") -> None:
+                 upto: int | None = None, owner: str = "", final: bool = True) -> None:
         rid = response["id"]
         output = list(response.get("output") or [])
         body = json.dumps({k: v for k, v in response.items() if k != "output"})
@@ -487,7 +495,7 @@ class SqliteStore(Store):
                 conversation = None
             unit = conversation or (self._live(parent) if parent is not None else None) or rid
             conv_rows: list[tuple[Any, ...]] = []
-            if conversation is not None:
+            if conversation is not None and final:
                 nxt = db.execute("SELECT next FROM conversations WHERE id = ?",
                                  (conversation,)).fetchone()[0]
                 conv_rows = [(conversation, nxt + n, it["id"], "item", json.dumps(it))
@@ -495,6 +503,11 @@ class SqliteStore(Store):
             # (its room was checked before any work, `check_room`: a turn that passed it is
             # stored, even where a turn beside it on the same unit took some of that room)
             if stored:
+                old = db.execute("SELECT unit, bytes FROM responses WHERE id = ?",
+                                 (rid,)).fetchone()
+                if old is not None:  # (a background response's earlier state)
+                    db.execute("DELETE FROM responses WHERE id = ?", (rid,))
+                    self._shrink(old[0], old[1], 1)
                 db.execute("DELETE FROM items WHERE owner = ?", (rid,))
                 db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (rid, unit, parent, conversation, upto, time.time(), size, body,
@@ -509,6 +522,22 @@ class SqliteStore(Store):
                            "WHERE id = ?", (len(conv_rows), grown, conversation))
                 self._grow(unit, grown, 0)
             self._make_room(unit)
+
+    def interrupted(self, why: str) -> int:
+        pending = ("queued", "in_progress")
+        with self._write():
+            rows = self._db.execute(
+                "SELECT id, unit, body FROM responses WHERE json_extract(body, '$.status') "
+                "IN (?, ?)", pending).fetchall()
+            for rid, unit, body in rows:
+                response = json.loads(body)
+                response.update(status="failed", error={"code": "server_error",
+                                                        "message": why})
+                new = json.dumps(response)
+                self._db.execute("UPDATE responses SET body = ?, bytes = bytes + ? WHERE id = ?",
+                                 (new, len(new) - len(body), rid))
+                self._grow(unit, len(new) - len(body), 0)
+        return len(rows)
 
     def _used_response(self, rid: str, owner: str) -> str | None:
         """`owner`'s stored response `rid`'s body, its unit used now (None: not there)."""

@@ -266,8 +266,8 @@ def test_engine_errors_name_this_apis_fields(post, fake, engine_param, wire):
 
 @pytest.mark.parametrize("extra, param", [
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"), ({"background": True},
-                                                               "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"), (
+        {"background": True, "store": False}, "background"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"frobnicate": 1}, "frobnicate"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

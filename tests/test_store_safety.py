@@ -516,3 +516,29 @@ def test_the_v2_file_gains_owners(tmp_path):
     s = SqliteStore(path)
     assert s.response("resp_1") is not None and s.response("resp_1", "key-x") is None
     assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_a_background_response_is_replaced_when_it_ends_and_marked_failed_if_left():
+    """A background response is written queued (adding nothing to its conversation), then
+    replaced when it ends (counted once); one left queued or in progress by a stopped server
+    is marked failed when the store opens again (`Store.interrupted`)."""
+    s = SqliteStore()
+    conv = s.new_conversation("conv_1", {}, [msg("m0")])["id"]
+    own = [msg("m1", "Hello.")]
+    queued = {**resp("resp_b"), "status": "queued", "output": [], "background": True}
+    s.put_turn(queued, own, conversation=conv, upto=1, final=False)
+    assert s.response("resp_b")["status"] == "queued"
+    assert [i["id"] for i in s.conversation_items(conv)] == ["m0"]  # nothing added yet
+    s.put_turn({**resp("resp_b", "Hi."), "background": True}, own, conversation=conv, upto=1)
+    assert s.response("resp_b")["status"] == "completed"
+    assert [i["id"] for i in s.conversation_items(conv)] == ["m0", "m1", "msg_resp_b"]
+    alone = SqliteStore()
+    alone.new_conversation("conv_1", {}, [msg("m0")])
+    alone.put_turn({**resp("resp_b", "Hi."), "background": True}, own, conversation=conv,
+                   upto=1)
+    assert s.stats() == alone.stats()  # the queued state is not counted twice
+    s.put_turn({**queued, "id": "resp_c", "status": "in_progress"}, [msg("m2")], final=False)
+    assert s.interrupted("the server stopped") == 1
+    left = s.response("resp_c")
+    assert left["status"] == "failed" and left["error"]["message"] == "the server stopped"
+    assert s.response("resp_b")["status"] == "completed" and s.interrupted("again") == 0
