@@ -57,7 +57,7 @@ from .errors import (StoreError, StoreUnavailable, WireError, bad_request, ref_o
                      wire_param)
 from .fleet import Fleet, Seat
 from .metrics import Metrics
-from .store import Bounds, SqliteStore, Store
+from .store import Bounds, Store, open_store
 
 M = TypeVar("M", bound=BaseModel)
 B = TypeVar("B", bound=BaseModel)  # an API's body: it names `model` and `stream`
@@ -324,10 +324,7 @@ class Door:
 
     def __init__(self, fleet: Fleet, config: ServeConfig, metrics: Metrics) -> None:
         self.fleet, self.config, self.metrics = fleet, config, metrics
-        self.store: Store | None = (
-            None if config.store == "none" else
-            SqliteStore(":memory:" if config.store == "memory" else config.store,
-                        config.store_bounds))
+        self.store: Store | None = open_store(config.store, config.store_bounds)
         if self.store is not None:  # background responses a stopped server left running
             n = self.store.interrupted("the server stopped while this response was in progress")
             if n:

@@ -491,7 +491,7 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
     from dataclasses import replace
 
     from server.door import ServeConfig
-    from server.store import DAY, Bounds
+    from server.store import DAY, SCHEMES, Bounds, PostgresStore, StoreUnavailable
 
     from .errors import ModelConfigError
     from .models import cache_dir
@@ -506,14 +506,19 @@ def serve_config(args: argparse.Namespace, channel: Any = None) -> Any:
         if value <= 0:
             raise ModelConfigError(f"{flag} {value:g}: must be positive")
     store = args.store or str(cache_dir() / "responses.sqlite3")
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", store)
-    if scheme is not None:  # a URL is never a file path
-        raise ModelConfigError(
-            f"--store {scheme.group(0)}...: this server stores in an SQLite file (a path), "
-            "memory or none; a database URL (" + scheme.group(1) + ") is not supported")
     bounds = Bounds(args.store_max_age * DAY, args.store_max_count, args.store_max_mb << 20,
                     min(args.store_max_object_mb, args.store_max_mb) << 20
                     if args.store_max_object_mb is not None else None)
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", store)
+    if scheme is not None:  # a URL is never a file path
+        if scheme.group(1).lower() not in SCHEMES:
+            raise ModelConfigError(
+                f"--store {scheme.group(0)}...: not supported: a path (an SQLite file), "
+                "memory, none, or a postgresql:// URL")
+        try:  # reachable now, and not written by a later release: else an error at start
+            PostgresStore(store, bounds).close()
+        except StoreUnavailable as e:
+            raise ModelConfigError(f"--store: {e}") from None
     keys = api_keys(args)
     single = keys[0][1] if len(keys) == 1 and keys[0][0] == "" else None
     return replace(ServeConfig(host=args.host, port=args.port, api_key=single,

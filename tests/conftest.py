@@ -196,3 +196,18 @@ def tool_engines(tmp_path_factory):
     yield get
     for e in made.values():
         e.close()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (`tests.pgserver.PgServer`) for this session; its
+    `database()` is a new empty database's URL. Skips, saying why, where PostgreSQL's
+    server binaries are not installed (`scripts/dev test` installs them as root)."""
+    from tests.pgserver import PgServer
+
+    bindir, why = PgServer.find()
+    if bindir is None:
+        pytest.skip(why)
+    server = PgServer(bindir).start()
+    yield server
+    server.stop()

@@ -22,7 +22,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from server.store import Bounds, Duplicate, SCHEMA_VERSION, SqliteStore, TooLarge
+from server.store import (Bounds, Duplicate, SCHEMA_VERSION, PostgresStore, SqliteStore,
+                          TooLarge)
 from tests.fakeengine import FakeEngine, finished
 from tests.serverproc import InProcess
 
@@ -48,9 +49,27 @@ def resp(rid: str, text: str = "x", **extra) -> dict:
 
 
 # -- the store itself ------------------------------------------------------------------------
+@pytest.fixture(params=["sqlite", "postgresql"])
+def new_store(request):
+    """`new_store(bounds=Bounds())`: a new empty store of each backend (SQLite in memory;
+    a new database on the session's real PostgreSQL server)."""
+    made = []
 
-def test_a_delete_acts_on_its_own_kind_only():
-    s = SqliteStore()
+    def make(bounds: Bounds = Bounds()):
+        if request.param == "sqlite":
+            s = SqliteStore(bounds=bounds)
+        else:
+            s = PostgresStore(request.getfixturevalue("postgres").database(), bounds)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_delete_acts_on_its_own_kind_only(new_store):
+    s = new_store()
     s.put_turn(resp("resp_1"), [msg("in_1")])
     s.new_conversation("conv_1", {}, [msg("c_1")])
     assert not s.delete_response("conv_1") and not s.delete_conversation("resp_1")
@@ -61,8 +80,8 @@ def test_a_delete_acts_on_its_own_kind_only():
     assert s.stats() == {"responses": 0, "conversations": 0, "bytes": 0}
 
 
-def test_a_chain_stores_what_each_turn_added_and_rebuilds_its_context():
-    s = SqliteStore()
+def test_a_chain_stores_what_each_turn_added_and_rebuilds_its_context(new_store):
+    s = new_store()
     s.put_turn(resp("resp_1", "a"), [msg("in_1")])
     s.put_turn(resp("resp_2", "b"), [msg("in_2")], parent="resp_1")
     s.put_turn(resp("resp_3", "c"), [msg("in_3")], parent="resp_2")
@@ -76,8 +95,8 @@ def test_a_chain_stores_what_each_turn_added_and_rebuilds_its_context():
     assert s.item("in_1") is None and s.item("in_2")["id"] == "in_2"
 
 
-def test_a_50_turn_chain_grows_linearly():
-    s = SqliteStore()
+def test_a_50_turn_chain_grows_linearly(new_store):
+    s = new_store()
     unique, parent = 0, None
     for n in range(50):
         own = [msg(f"in_{n}", f"question {n} " + "q" * 900)]
@@ -89,8 +108,8 @@ def test_a_50_turn_chain_grows_linearly():
     assert s.stats()["bytes"] <= 1.2 * unique
 
 
-def test_one_unit_cannot_outgrow_its_bound_or_evict_everyone():
-    s = SqliteStore(bounds=Bounds(max_age_s=None, max_count=None, max_bytes=400_000,
+def test_one_unit_cannot_outgrow_its_bound_or_evict_everyone(new_store):
+    s = new_store(Bounds(max_age_s=None, max_count=None, max_bytes=400_000,
                                   max_object_bytes=100_000))
     for n in range(20):
         s.put_turn(resp(f"resp_{n}", "y" * 5_000), [])
@@ -105,8 +124,8 @@ def test_one_unit_cannot_outgrow_its_bound_or_evict_everyone():
     s.check_room(None, 50_000)  # a new unit has room
 
 
-def test_eviction_drops_whole_units_least_recently_used_never_the_one_written():
-    s = SqliteStore(bounds=Bounds(max_age_s=None, max_count=6, max_bytes=None))
+def test_eviction_drops_whole_units_least_recently_used_never_the_one_written(new_store):
+    s = new_store(Bounds(max_age_s=None, max_count=6, max_bytes=None))
     s.put_turn(resp("resp_a1"), [])
     s.put_turn(resp("resp_a2"), [], parent="resp_a1")
     s.put_turn(resp("resp_a3"), [], parent="resp_a2")  # one unit of three
@@ -118,15 +137,15 @@ def test_eviction_drops_whole_units_least_recently_used_never_the_one_written():
     s.put_turn(resp("resp_e"), [])  # 7 > 6: the least recently used unit goes (b)
     assert s.response("resp_b") is None
     assert all(s.response(r) for r in ("resp_a1", "resp_a2", "resp_a3", "resp_c", "resp_e"))
-    s2 = SqliteStore(bounds=Bounds(max_age_s=None, max_count=2, max_bytes=None))
+    s2 = new_store(Bounds(max_age_s=None, max_count=2, max_bytes=None))
     for n in range(4):  # the unit being written is never evicted, even past the bound
         s2.put_turn(resp(f"resp_{n}"), [], parent=f"resp_{n - 1}" if n else None)
     assert [s2.response(f"resp_{n}") is not None for n in range(4)] == [True] * 4
     assert len(s2.context("resp_3")) == 4  # no part of a chain evicted
 
 
-def test_duplicate_item_ids_are_refused():
-    s = SqliteStore()
+def test_duplicate_item_ids_are_refused(new_store):
+    s = new_store()
     with pytest.raises(Duplicate):
         s.new_conversation("conv_1", {}, [msg("a"), msg("a")])
     s.new_conversation("conv_1", {}, [msg("a")])
@@ -136,8 +155,8 @@ def test_duplicate_item_ids_are_refused():
     assert [i["id"] for i in s.conversation_items("conv_1")] == ["a"]  # nothing added
 
 
-def test_expiry_is_enforced_on_read():
-    s = SqliteStore(bounds=Bounds(max_age_s=0.05, max_count=None, max_bytes=None))
+def test_expiry_is_enforced_on_read(new_store):
+    s = new_store(Bounds(max_age_s=0.05, max_count=None, max_bytes=None))
     s.put_turn(resp("resp_1"), [msg("in_1")])
     s.new_conversation("conv_1", {}, [msg("c_1")])
     time.sleep(0.1)  # no write since
@@ -204,15 +223,15 @@ def test_a_file_from_a_later_release_is_refused(tmp_path):
         SqliteStore(path)
 
 
-def test_a_turn_is_one_transaction(monkeypatch):
-    s = SqliteStore()
+def test_a_turn_is_one_transaction(monkeypatch, new_store):
+    s = new_store()
     s.new_conversation("conv_1", {}, [msg("c_1")])
 
     def fault() -> None:
-        raise sqlite3.OperationalError("disk I/O error")
+        raise OSError("disk I/O error")
 
     monkeypatch.setattr(s, "_pause", fault)  # fails between the response and its items
-    with pytest.raises(sqlite3.OperationalError):
+    with pytest.raises(OSError):
         s.put_turn(resp("resp_1"), [msg("in_1")], conversation="conv_1", upto=1)
     assert s.response("resp_1") is None
     assert [i["id"] for i in s.conversation_items("conv_1")] == ["c_1"]
@@ -435,14 +454,16 @@ def test_store_work_never_holds_the_event_loop():
         app.stop()
 
 
-@pytest.mark.parametrize("url", ["postgresql://user@host/db", "sqlite:///tmp/x.db",
-                                 "s3://bucket/key"])
-def test_a_store_url_is_an_error_at_start_never_a_file_path(url, tmp_path, monkeypatch):
+@pytest.mark.parametrize("url, why", [
+    ("postgresql://user@127.0.0.1:1/db", "cannot reach"), ("sqlite:///tmp/x.db", "not supported"),
+    ("s3://bucket/key", "not supported")])
+def test_a_store_url_is_an_error_at_start_never_a_file_path(url, why, tmp_path, monkeypatch):
+    """An unknown scheme, or a database that cannot be reached, is an error at start."""
     from specdec import cli
     from specdec.errors import ModelConfigError
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelConfigError, match="not supported"):
+    with pytest.raises(ModelConfigError, match=why):
         cli.serve_config(cli.build_parser().parse_args(["serve", "--store", url]))
     assert list(tmp_path.iterdir()) == []  # no folder named after the scheme
 
@@ -518,11 +539,11 @@ def test_the_v2_file_gains_owners(tmp_path):
     assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
-def test_a_background_response_is_replaced_when_it_ends_and_marked_failed_if_left():
+def test_a_background_response_is_replaced_when_it_ends_and_marked_failed_if_left(new_store):
     """A background response is written queued (adding nothing to its conversation), then
     replaced when it ends (counted once); one left queued or in progress by a stopped server
     is marked failed when the store opens again (`Store.interrupted`)."""
-    s = SqliteStore()
+    s = new_store()
     conv = s.new_conversation("conv_1", {}, [msg("m0")])["id"]
     own = [msg("m1", "Hello.")]
     queued = {**resp("resp_b"), "status": "queued", "output": [], "background": True}
@@ -532,7 +553,7 @@ def test_a_background_response_is_replaced_when_it_ends_and_marked_failed_if_lef
     s.put_turn({**resp("resp_b", "Hi."), "background": True}, own, conversation=conv, upto=1)
     assert s.response("resp_b")["status"] == "completed"
     assert [i["id"] for i in s.conversation_items(conv)] == ["m0", "m1", "msg_resp_b"]
-    alone = SqliteStore()
+    alone = new_store()
     alone.new_conversation("conv_1", {}, [msg("m0")])
     alone.put_turn({**resp("resp_b", "Hi."), "background": True}, own, conversation=conv,
                    upto=1)
