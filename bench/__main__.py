@@ -16,6 +16,7 @@ from pathlib import Path
 
 # Rows every report must carry, so reports stay comparable over time.
 REQUIRED = (
+    "replicas_cached_share_affinity", "replicas_cached_share_round_robin",
     "plain_constrained_over_unconstrained", "spec_constrained_over_unconstrained",
     "spec_over_plain_constrained", "draft_masking_on_over_off", "draft_masking_acceptance_on",
     "draft_masking_acceptance_off", "grammar_cuts_on", "grammar_cuts_off", "mask_fill_us_p50",

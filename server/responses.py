@@ -67,6 +67,7 @@ from .store import Item, Store, first_duplicate, page, size_of
 log = logging.getLogger("specdec.server")
 
 PREFIX = "/v1/responses"
+RESPONSE_ID_HEADER = "x-specdec-response-id"
 PARAMS = {"messages": "input", "constraint": "text.format", "max_tokens": "max_output_tokens",
           "thinking": "reasoning", "tools": "tools", "tool_choice": "tool_choice",
           "logprobs": "top_logprobs", "spec": "num_draft_tokens"}
@@ -372,6 +373,12 @@ class Writer(Fold):
            door: Door | None = None) -> Writer:
         turn = turn or Turn()
         return cls(head(body, run, turn), run, turn, door)
+
+    def headers(self) -> dict[str, str]:
+        # The response's id before its body: a balancer keeps a chain's next turn on the
+        # replica that holds its KV state (`previous_response_id`, README "More than one
+        # machine").
+        return {RESPONSE_ID_HEADER: self.head["id"]}
 
     def opening(self) -> list[SSEEvent]:
         if self.head["background"]:  # (answered queued; it runs as soon as it is admitted)
