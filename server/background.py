@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.events import Failed
 
 from .door import Door, Run, SSEEvent, request_headers, sse
-from .errors import bad_request
+from .errors import WireError, bad_request
 
 if TYPE_CHECKING:
     from .responses import Writer
@@ -115,7 +115,8 @@ class Backgrounds:
         try:
             await self.door.stored(store.put_turn, job.snapshot(), turn.own, stored=True,
                                    parent=turn.parent, conversation=turn.conversation,
-                                   upto=turn.upto, owner=turn.owner, final=False)
+                                   upto=turn.upto, owner=turn.owner, final=False,
+                                   runner=self.door.runner)
         except BaseException:
             run.close()
             raise
@@ -161,7 +162,8 @@ class Backgrounds:
         try:
             await self.door.stored(store.put_turn, job.writer.final, turn.own, stored=True,
                                    parent=turn.parent, conversation=turn.conversation,
-                                   upto=turn.upto, owner=turn.owner, final=False)
+                                   upto=turn.upto, owner=turn.owner, final=False,
+                                   runner=self.door.runner)
         except Exception as e:  # (logged and counted by `stored`; the answer stands)
             log.error("background response %s's end was not stored: %s", job.rid, e)
         finally:
@@ -191,13 +193,14 @@ class Backgrounds:
 
         Raises:
             WireError: 400 for a response not created in the background, or one whose
-                events are no longer kept here.
+                events are no longer kept here; 409 for one another server runs.
         """
         if not stored.get("background"):
             raise bad_request(f"response {rid!r} was not created with background: true; only "
                               "a background response can be streamed by id", "stream")
         job = self.get(rid, owner)
         if job is None:
+            elsewhere(rid, stored)
             raise bad_request(f"the events of response {rid!r} are no longer kept (it ended "
                               "before this server's last restart, or long ago): retrieve it "
                               "without stream", "stream")
@@ -206,3 +209,12 @@ class Backgrounds:
                               "starting_after")
         return StreamingResponse(job.follow(-1 if after is None else after),
                                  media_type="text/event-stream")
+
+
+def elsewhere(rid: str, stored: dict[str, Any]) -> None:
+    """Raise a 409 for a background response stored as running that this server does not
+    run (another replica sharing the store does: only that one can stop or stream it)."""
+    if stored.get("status") in ("queued", "in_progress"):
+        raise WireError(409, f"response {rid!r} is running on another server sharing this "
+                        "store: send this request to that server (deploy/haproxy.cfg routes "
+                        "it there by the response's id)", code="response_running_elsewhere")

@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import reprlib
+import socket
 import sqlite3
 import threading
 import time
@@ -325,8 +326,12 @@ class Door:
     def __init__(self, fleet: Fleet, config: ServeConfig, metrics: Metrics) -> None:
         self.fleet, self.config, self.metrics = fleet, config, metrics
         self.store: Store | None = open_store(config.store, config.store_bounds)
+        # Which server this is, for the background responses it runs: replicas sharing one
+        # database each mark only their own as interrupted when they start again.
+        self.runner = f"{socket.gethostname()}:{config.port}"
         if self.store is not None:  # background responses a stopped server left running
-            n = self.store.interrupted("the server stopped while this response was in progress")
+            n = self.store.interrupted("the server stopped while this response was in progress",
+                                       self.runner if self.store.shared else None)
             if n:
                 log.warning("%d background response(s) left in progress by a stopped server "
                             "marked failed", n)

@@ -61,7 +61,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     why = {400: "invalid request (OpenAI's error shape, `param` names the field)",
            401: "missing or wrong API key", 404: "unknown model or path",
            409: "another turn on the conversation is in progress and outlasted this "
-                "request's time limit",
+                "request's time limit; or a background response runs on another server "
+                "sharing the store",
            413: "request body too large",
            503: "queue full, the model busy or failing to load, or the response store "
                 "failing (Retry-After where a retry can succeed)",

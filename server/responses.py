@@ -55,7 +55,7 @@ from specdec.events import Event, Failed, Finished, ReasoningDelta, TextDelta, T
 from specdec.request import (Constraint, GenerateRequest, Message, NamedTool, ToolCall,
                              ToolChoice)
 
-from .background import Backgrounds
+from .background import Backgrounds, elsewhere
 from .door import (Door, Fold, Run, SSEEvent, extension, rest_sources, sampling, token_sources,
                    tool)
 from .errors import WireError, bad_request, message_of, openai_body, openai_response
@@ -614,7 +614,7 @@ def router(door: Door) -> APIRouter:
             return error(e)
 
     @api.post(PREFIX + "/{rid}/cancel", response_model=None,
-              responses=error_responses(400, 401, 404, 503))
+              responses=error_responses(400, 401, 404, 409, 503))
     async def cancel(rid: str, http: Request) -> Response:
         """Stop a background response (idempotent: one that ended is answered as is)."""
         owner = owner_of(http)
@@ -622,6 +622,7 @@ def router(door: Door) -> APIRouter:
             now = await backgrounds.cancel(rid, owner)
             if now is None:
                 now = await stored(rid, owner)
+                elsewhere(rid, now)
                 if not now.get("background"):
                     raise bad_request(f"response {rid!r} was not created with background: "
                                       "true; only a background response can be cancelled",

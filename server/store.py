@@ -50,8 +50,9 @@ Unavailable = StoreUnavailable
 
 Item = dict[str, Any]
 
-SCHEMA_VERSION = 3  # `PRAGMA user_version`; 0 with tables: the first release's layout (v1);
-# 2: units and links, no owners; 3: each response and conversation its owner (an API key's)
+SCHEMA_VERSION = 4  # `PRAGMA user_version`; 0 with tables: the first release's layout (v1);
+# 2: units and links, no owners; 3: each response and conversation its owner (an API key's);
+# 4: the server running each background response (`runner`)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS units (
@@ -60,7 +61,7 @@ CREATE INDEX IF NOT EXISTS units_by_use ON units (used);
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, unit TEXT NOT NULL, parent TEXT, conversation TEXT, upto INTEGER,
     created REAL NOT NULL, bytes INTEGER NOT NULL, body TEXT NOT NULL,
-    owner TEXT NOT NULL DEFAULT '');
+    owner TEXT NOT NULL DEFAULT '', runner TEXT);
 CREATE INDEX IF NOT EXISTS responses_by_unit ON responses (unit);
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, created INTEGER NOT NULL, bytes INTEGER NOT NULL,
@@ -82,7 +83,7 @@ CREATE INDEX IF NOT EXISTS units_by_use ON units (used);
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, unit TEXT NOT NULL, parent TEXT, conversation TEXT, upto BIGINT,
     created DOUBLE PRECISION NOT NULL, bytes BIGINT NOT NULL, body TEXT NOT NULL,
-    owner TEXT NOT NULL DEFAULT '');
+    owner TEXT NOT NULL DEFAULT '', runner TEXT);
 CREATE INDEX IF NOT EXISTS responses_by_unit ON responses (unit);
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, created BIGINT NOT NULL, bytes BIGINT NOT NULL,
@@ -170,6 +171,7 @@ class Store:
     owner's is not there for it."""
 
     bounds: Bounds
+    shared = False  # several servers may use it at once (a database, not a file)
 
     def check_room(self, unit_of: str | None, adding: int) -> None:
         """Raise `TooLarge` where adding `adding` bytes to the unit `unit_of` (a response
@@ -178,7 +180,8 @@ class Store:
 
     def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
                  parent: str | None = None, conversation: str | None = None,
-                 upto: int | None = None, owner: str = "", final: bool = True) -> None:
+                 upto: int | None = None, owner: str = "", final: bool = True,
+                 runner: str | None = None) -> None:
         """Keep a finished turn in one transaction: the response (where `stored`: its
         object, its own input items `own`, its `output`, continuing `parent` or the first
         `upto` items of `conversation`; replacing the response of that id where one is
@@ -186,12 +189,17 @@ class Store:
         it. `final` False: a background response not (or not successfully) finished: queued,
         in progress, cancelled or failed, which adds nothing to its conversation. Its unit's
         room is checked before the turn's work (`check_room`), not here: a turn that passed
-        it is stored."""
+        it is stored. `runner`: the server running a background response (`interrupted`)."""
         raise NotImplementedError
 
-    def interrupted(self, why: str) -> int:
+    def interrupted(self, why: str, runner: str | None = None) -> int:
         """Mark every response still queued or in progress (a background response whose
-        server stopped) failed, its error `why`; returns how many."""
+        server stopped) failed, its error `why`: those `runner` ran (None: every one);
+        returns how many."""
+        raise NotImplementedError
+
+    def runner_of(self, rid: str) -> str | None:
+        """The server running (or that ran) background response `rid`, where recorded."""
         raise NotImplementedError
 
     def response(self, rid: str, owner: str = "") -> dict[str, Any] | None:
@@ -428,7 +436,8 @@ class SqlStore(Store):
 
     def put_turn(self, response: dict[str, Any], own: list[Item], *, stored: bool = True,
                  parent: str | None = None, conversation: str | None = None,
-                 upto: int | None = None, owner: str = "", final: bool = True) -> None:
+                 upto: int | None = None, owner: str = "", final: bool = True,
+                 runner: str | None = None) -> None:
         rid = response["id"]
         output = list(response.get("output") or [])
         body = json.dumps({k: v for k, v in response.items() if k != "output"})
@@ -459,9 +468,9 @@ class SqlStore(Store):
                     db.execute("DELETE FROM responses WHERE id = ?", (rid,))
                     self._shrink(old[0], old[1], 1)
                 db.execute("DELETE FROM items WHERE owner = ?", (rid,))
-                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (rid, unit, parent, conversation, upto, time.time(), size, body,
-                            owner))
+                            owner, runner))
                 db.executemany(ADD_ITEMS, rows)
                 self._grow(unit, size, 1)
             self._pause()
@@ -473,12 +482,13 @@ class SqlStore(Store):
                 self._grow(unit, grown, 0)
             self._make_room(unit)
 
-    def interrupted(self, why: str) -> int:
-        pending = ("queued", "in_progress")
+    def interrupted(self, why: str, runner: str | None = None) -> int:
+        pending: tuple[str, ...] = ("queued", "in_progress")
+        mine = "" if runner is None else " AND runner = ?"
         with self._write():
             rows = self._db.execute(
-                f"SELECT id, unit, body FROM responses WHERE {self.STATUS} IN (?, ?)",
-                pending).fetchall()
+                f"SELECT id, unit, body FROM responses WHERE {self.STATUS} IN (?, ?){mine}",
+                pending + (() if runner is None else (runner,))).fetchall()
             for rid, unit, body in rows:
                 response = json.loads(body)
                 response.update(status="failed", error={"code": "server_error",
@@ -488,6 +498,12 @@ class SqlStore(Store):
                                  (new, len(new) - len(body), rid))
                 self._grow(unit, len(new) - len(body), 0)
         return len(rows)
+
+    def runner_of(self, rid: str) -> str | None:
+        with self._write():
+            row = self._db.execute("SELECT runner FROM responses WHERE id = ?",
+                                   (rid,)).fetchone()
+        return row[0] if row is not None else None
 
     def _used_response(self, rid: str, owner: str) -> str | None:
         """`owner`'s stored response `rid`'s body, its unit used now (None: not there)."""
@@ -734,10 +750,13 @@ class SqliteStore(SqlStore):
                               f"{version}; this one reads up to {SCHEMA_VERSION})")
         if version == SCHEMA_VERSION:
             return
-        if version == 2:  # owners: what was stored belongs to no key (one key or none)
+        if version in (2, 3):
             self._begin()
-            db.execute("ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
-            db.execute("ALTER TABLE conversations ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+            if version == 2:  # owners: what was stored belongs to no key (one key or none)
+                db.execute("ALTER TABLE responses ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+                db.execute("ALTER TABLE conversations ADD COLUMN owner TEXT NOT NULL "
+                           "DEFAULT ''")
+            db.execute("ALTER TABLE responses ADD COLUMN runner TEXT")  # (background: 4)
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             db.execute("COMMIT")
             return
@@ -826,6 +845,7 @@ class PostgresStore(SqlStore):
 
     LATEST = "n"
     STATUS = "(body::jsonb ->> 'status')"
+    shared = True
     CONNECT_TIMEOUT_S = 10
 
     def __init__(self, url: str, bounds: Bounds = Bounds()) -> None:

@@ -531,11 +531,27 @@ def test_the_v2_file_gains_owners(tmp_path):
     s = SqliteStore(path)
     s.put_turn(resp("resp_1"), [msg("in_1")])
     s._db.execute("ALTER TABLE responses DROP COLUMN owner")
+    s._db.execute("ALTER TABLE responses DROP COLUMN runner")
     s._db.execute("ALTER TABLE conversations DROP COLUMN owner")
     s._db.execute("PRAGMA user_version=2")
     s.close()
     s = SqliteStore(path)
     assert s.response("resp_1") is not None and s.response("resp_1", "key-x") is None
+    assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    s.put_turn({**resp("resp_2"), "status": "queued"}, [], final=False, runner="here:1")
+    assert s.runner_of("resp_2") == "here:1"
+
+
+def test_the_v3_file_gains_runners(tmp_path):
+    """A file of schema 3 (owners, no runners) opens with no response's runner recorded."""
+    path = tmp_path / "s.sqlite3"
+    s = SqliteStore(path)
+    s.put_turn(resp("resp_1"), [msg("in_1")], owner="key-a")
+    s._db.execute("ALTER TABLE responses DROP COLUMN runner")
+    s._db.execute("PRAGMA user_version=3")
+    s.close()
+    s = SqliteStore(path)
+    assert s.response("resp_1", "key-a") is not None and s.runner_of("resp_1") is None
     assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
@@ -558,7 +574,13 @@ def test_a_background_response_is_replaced_when_it_ends_and_marked_failed_if_lef
     alone.put_turn({**resp("resp_b", "Hi."), "background": True}, own, conversation=conv,
                    upto=1)
     assert s.stats() == alone.stats()  # the queued state is not counted twice
-    s.put_turn({**queued, "id": "resp_c", "status": "in_progress"}, [msg("m2")], final=False)
+    s.put_turn({**queued, "id": "resp_c", "status": "in_progress"}, [msg("m2")], final=False,
+               runner="a:1")
+    s.put_turn({**queued, "id": "resp_d", "status": "in_progress"}, [msg("m3")], final=False,
+               runner="b:1")
+    assert s.interrupted("replica b stopped", runner="b:1") == 1  # only what b ran
+    assert s.response("resp_d")["status"] == "failed"
+    assert s.response("resp_c")["status"] == "in_progress"
     assert s.interrupted("the server stopped") == 1
     left = s.response("resp_c")
     assert left["status"] == "failed" and left["error"]["message"] == "the server stopped"
