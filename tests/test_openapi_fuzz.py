@@ -56,7 +56,8 @@ def test_document_describes_every_endpoint(api, server):
     generate = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
     admin = ("load", "unload", "pin", "unpin")
     stored = {("GET", "/v1/responses/{rid}"), ("DELETE", "/v1/responses/{rid}"),
-              ("GET", "/v1/responses/{rid}/input_items"), ("POST", "/v1/conversations"),
+              ("GET", "/v1/responses/{rid}/input_items"), ("POST", "/v1/responses/{rid}/cancel"),
+              ("POST", "/v1/conversations"),
               *((m, "/v1/conversations/{cid}") for m in ("GET", "POST", "DELETE")),
               *((m, "/v1/conversations/{cid}/items") for m in ("GET", "POST")),
               *((m, "/v1/conversations/{cid}/items/{item_id}") for m in ("GET", "DELETE"))}
