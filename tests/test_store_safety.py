@@ -485,6 +485,8 @@ def test_each_keys_stored_objects_are_its_own():
         tries = {
             "retrieve": lambda: bob.responses.retrieve(r.id),
             "delete": lambda: bob.responses.delete(r.id),
+            "cancel": lambda: bob.responses.cancel(r.id),
+            "stream": lambda: list(bob.responses.retrieve(r.id, stream=True)),
             "input_items": lambda: bob.responses.input_items.list(r.id),
             "previous_response_id": lambda: bob.responses.create(
                 model="default", input="x", previous_response_id=r.id),
