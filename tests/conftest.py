@@ -211,3 +211,31 @@ def postgres():
     server = PgServer(bindir).start()
     yield server
     server.stop()
+
+
+# -- scheduling: the longest files first ----------------------------------------------------
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+PER_TEST_S = 3.0  # a file's estimate, per test, where tests/durations.json does not know it
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files in order of their measured seconds, longest first (tests/durations.json,
+    written by `scripts/dev durations` from a run's JUnit XML); each file's own tests keep
+    their order. The two workers take whole files (`--dist loadfile`, without xdist's
+    reordering by test count): the long files start at once instead of ending the run on
+    one worker while the other waits."""
+    import json
+
+    try:
+        with open(DURATIONS) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.location[0]] = counts.get(item.location[0], 0) + 1
+    weight = {path: known.get(path, PER_TEST_S * n) for path, n in counts.items()}
+    first = {}
+    for n, item in enumerate(items):
+        first.setdefault(item.location[0], n)
+    items.sort(key=lambda it: (-weight[it.location[0]], first[it.location[0]]))
