@@ -12,8 +12,9 @@ written again when it ends (completed or incomplete: added to its conversation a
 cancelled or failed: not), so a poll after a restart finds it; a server that stops with
 background responses running marks them `failed` when it starts again
 (`Store.interrupted`), never leaving one `in_progress`. Each one's events stay in memory
-while it runs and for the `KEPT` background responses that ended last (a resume after that,
-or after a restart, is a 400 saying so: retrieve the response instead).
+while it runs and for the `KEPT` background responses that ended last (`KEPT_EVENTS` events
+at most; a resume after that, or after a restart, is a 400 saying so: retrieve the response
+instead).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specdec.server")
 
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
-KEPT = 256  # ended background responses whose events stay for a resume
+KEPT = 256  # ended background responses whose events stay for a resume, at most
+KEPT_EVENTS = 100_000  # and their events in all (a long answer's stream is one per delta)
 
 
 @dataclass
@@ -170,10 +172,15 @@ class Backgrounds:
             turn.ended()
 
     def _ended(self, job: Job) -> None:
+        """Keep the events of the background responses that ended last: at most `KEPT`
+        of them and `KEPT_EVENTS` events in all (the oldest go first)."""
         self.jobs.move_to_end(job.rid)
-        ended = [rid for rid, j in self.jobs.items() if j.ended]
-        for rid in ended[:max(0, len(ended) - KEPT)]:
-            del self.jobs[rid]
+        ended = [j for j in self.jobs.values() if j.ended]
+        events = sum(len(j.events) for j in ended)
+        while ended and (len(ended) > KEPT or events > KEPT_EVENTS):
+            gone = ended.pop(0)
+            events -= len(gone.events)
+            del self.jobs[gone.rid]
 
     async def cancel(self, rid: str, owner: str) -> dict[str, Any] | None:
         """Stop a running background response; its object once stopped (None: not one
