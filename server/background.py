@@ -26,7 +26,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -34,9 +34,6 @@ from specdec.events import Failed
 
 from .door import Door, Run, SSEEvent, request_headers, sse
 from .errors import WireError, bad_request
-
-if TYPE_CHECKING:
-    from .responses import Writer
 
 log = logging.getLogger("specdec.server")
 
@@ -47,10 +44,11 @@ KEPT_EVENTS = 100_000  # and their events in all (a long answer's stream is one 
 
 @dataclass
 class Job:
-    """One background response: its run, its writer (events and output so far), its
-    events, and whether it ended."""
+    """One background response: its run, its writer (`responses.Writer`: its events and
+    output so far, `final` once it ended; `cancel`, `fail_all`), its events, and whether it
+    ended."""
 
-    writer: Writer
+    writer: Any
     run: Run
     events: list[SSEEvent] = field(default_factory=list)
     status: str = "queued"
@@ -108,7 +106,7 @@ class Backgrounds:
         job = self.jobs.get(rid)
         return job if job is not None and job.owner == owner else None
 
-    async def start(self, writer: Writer, run: Run, stream: bool) -> Response:
+    async def start(self, writer: Any, run: Run, stream: bool) -> Response:
         """Take `run` over: store it queued, drive it in a task, answer now."""
         turn, store = writer.turn, self.door.store
         assert store is not None  # (`Turn.of` refuses background without a store)

@@ -99,6 +99,18 @@ class Reported:
             self.sources = []
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """What a request reuses and adds to: its partition of the prompt store (`scope`,
+    `Request.scope`), and the earlier answers it proposes from where `SpecConfig.suffix`
+    asks (`suffixes`; None: not), under its grammar's key there (`key`,
+    `lookup.grammar_key`)."""
+
+    scope: str = ""
+    suffixes: SuffixStore | None = None
+    key: str | None = None
+
+
 @dataclass(eq=False)
 class DecodeState:
     """One request in flight: everything a round needs, nothing in generator locals.
@@ -128,10 +140,7 @@ class DecodeState:
     seq: list[TokenId] = field(default_factory=list)
     emitted: int = 0
     index: NgramIndex | None = None
-    # earlier answers proposing (`SpecConfig.suffix`), and its key there (`lookup.grammar_key`
-    # of its grammar)
-    suffixes: tuple[SuffixStore, str | None] | None = None
-    scope: str = ""  # the prompt store's partition it reads and adds to (`Request.scope`)
+    reuse: Reuse = field(default_factory=lambda: Reuse())  # what it reuses and adds to
     to_prefill: int = 0
     new_tokens: list[TokenId] = field(default_factory=list)
     bias: mx.array | None = None  # the request's logit bias, dense (V,)
@@ -205,13 +214,12 @@ def new_state(models: Models, req: Request, eos_token_ids: Sequence[TokenId], *,
     s.logprobs = req.logprobs if sources is None else max(req.logprobs or 0, sources)
     s.reported.sources = [] if sources is not None else None
     s.to_prefill = len(prompt) - 1  # the caches hold seq[:-1]; the last token opens round 1
-    s.scope = getattr(req, "scope", "")
     if req.prefill_only:
         s.max_tokens = 0  # a history prefill: it generates nothing (`prefill_arrivals`)
     if s.spec is not None and s.spec.lookup:
         s.index = NgramIndex(s.seq)
-    if s.spec is not None and s.spec.suffix and suffixes is not None:
-        s.suffixes = (suffixes, suffix_key)
+    s.reuse = Reuse(getattr(req, "scope", ""),
+                    suffixes if s.spec is not None and s.spec.suffix else None, suffix_key)
     s.ask_next_mask(models.vocab_size)  # fills while the prompt is prefilled
     return s
 
@@ -257,11 +265,11 @@ def prefill(models: Models, s: DecodeState, kv_store: PromptKVCache | None = Non
         return
     t0 = time.perf_counter()
     head = list(s.prompt[:-1])
-    if kv_store is not None and kv_store.has(models.target, head, s.scope):
+    if kv_store is not None and kv_store.has(models.target, head, s.reuse.scope):
         s.stats.prompt_cached = len(head)
     for model, cache in ((models.target, s.t_cache), (models.draft, s.d_cache)):
         if cache and kv_store is not None:
-            kv_store.prefill(model, head, cache, s.scope)
+            kv_store.prefill(model, head, cache, s.reuse.scope)
         elif cache:
             prefill_tokens(model, head, cache)
     mx.eval([c.state for c in s.t_cache + s.d_cache])
@@ -312,9 +320,9 @@ def prefill_arrivals(models: Models, states: Sequence[DecodeState],
         s.stats.prefill_s += spent
         if s.to_prefill == 0 and kv_store is not None:
             head = list(s.prompt[:-1])
-            kv_store.store(models.target, head, s.t_cache, s.scope)
+            kv_store.store(models.target, head, s.t_cache, s.reuse.scope)
             if s.d_cache:
-                kv_store.store(models.draft, head, s.d_cache, s.scope)
+                kv_store.store(models.draft, head, s.d_cache, s.reuse.scope)
 
 
 def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache
@@ -338,8 +346,8 @@ def keep_answer(models: Models, s: DecodeState, kv_store: PromptKVCache
         for c in cache:  # rows past the output (a last round's unaccepted proposals) go
             if c.offset > n:
                 c.trim(c.offset - n)
-        kv_store.store(model, s.seq[:n], cache, s.scope)
-        kv_store.drop(model, s.prompt[:-1], s.scope)
+        kv_store.store(model, s.seq[:n], cache, s.reuse.scope)
+        kv_store.drop(model, s.prompt[:-1], s.reuse.scope)
         kept.append((role, tuple(s.seq[:n])))
     return tuple(kept)
 
@@ -349,15 +357,15 @@ def _restore_prefix(models: Models, s: DecodeState, head: list[TokenId],
     """Load the longest stored target state `head` starts with, and bring the draft's cache
     to the same position; returns that position (0: nothing stored, caches untouched)."""
     at = kv_store.restore_prefix(models.target, head, s.t_cache,
-                                 trims=ragged.exact_prefix(s.t_cache), scope=s.scope)
+                                 trims=ragged.exact_prefix(s.t_cache), scope=s.reuse.scope)
     if at and s.d_cache:
         d_at = kv_store.restore_prefix(models.draft, head[:at], s.d_cache,
-                                       trims=ragged.exact_prefix(s.d_cache), scope=s.scope)
+                                       trims=ragged.exact_prefix(s.d_cache), scope=s.reuse.scope)
         s.stats.draft_cached = d_at
         if d_at < at:
             prefill_tokens(models.draft, head[d_at:at], s.d_cache)
             if at == len(head):  # a whole prompt: stored for the next one as the target's is
-                kv_store.store(models.draft, head, s.d_cache, s.scope)
+                kv_store.store(models.draft, head, s.d_cache, s.reuse.scope)
         mx.eval([c.state for c in s.d_cache])
     return at
 
@@ -632,7 +640,7 @@ def _request_view(models: Models, s: DecodeState) -> RequestView:
     assert s.spec is not None
     if s.index is not None:
         s.index.extend(s.seq[len(s.index.tokens):])
-    earlier = s.suffixes[0].indexes(s.suffixes[1]) if s.suffixes is not None else ()
+    earlier = s.reuse.suffixes.indexes(s.reuse.key) if s.reuse.suffixes is not None else ()
     return RequestView(s.seq, s.emitted, s.eos, s.params, s.spec, s.stats, models.vocab_size,
                        s.grammar.state if s.grammar is not None else None, s.index, earlier)
 

@@ -530,7 +530,7 @@ class Scheduler:
                 for role, key in t.request.supersedes:
                     model = self.models.target if role == "target" else self.models.draft
                     if key != head and model is not None:
-                        self.kv_store.drop(model, key, s.scope)
+                        self.kv_store.drop(model, key, s.reuse.scope)
             self._finish(t)
         ready = [t for t in self._active if t.state is not None and t.state.ready
                  and t not in idle]
@@ -567,9 +567,8 @@ class Scheduler:
         seconds = time.perf_counter() - t.t0
         if t.state is not None:
             s = t.state
-            if error is None and s.suffixes is not None:  # it proposes for later answers
-                store, key = s.suffixes
-                store.add(key, s.seq[len(s.prompt):], lead=s.prompt)
+            if error is None and s.reuse.suffixes is not None:  # it proposes for later answers
+                s.reuse.suffixes.add(s.reuse.key, s.seq[len(s.prompt):], lead=s.prompt)
             if (error is None and self.kv_store is not None and not _background(t)
                     and getattr(t.request, "keep", True)):
                 kept = keep_answer(self.models, s, self.kv_store)  # the next turn's prefix

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -401,7 +402,10 @@ def test_fields_clients_send_that_cannot_change_the_answer_are_accepted(post, fa
             "stream_options": {"include_usage": False}}
     assert post({"messages": MSG, **sent}).status_code == 200
     assert post({"messages": MSG}).status_code == 200
-    assert fake.seen[-2] == fake.seen[-1]
+    with_them, plain = fake.seen[-2:]
+    # prompt_cache_key only picks the prompt store's partition (`door.cache_scope`)
+    assert with_them.cache_scope == "\x1fk" and plain.cache_scope == ""
+    assert replace(with_them, cache_scope="") == plain
 
 
 @pytest.mark.parametrize("body, param", [

@@ -38,6 +38,7 @@ SERVER_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"fleet"}),  # the engines it serves, by model name
     frozenset({"door"}),  # what every API does with a request
     frozenset({"chat_wire", "responses_wire", "messages_wire"}),  # each API's wire types
+    frozenset({"background"}),  # runs that go on without their client (background responses)
     frozenset({"chat", "responses", "messages", "conversations"}),  # each API's routes
     frozenset({"app", "__init__"}),  # the application
 )
