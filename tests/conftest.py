@@ -9,6 +9,13 @@ import pytest
 
 from specdec.blas import ensure_blas
 
+# Two workers share two cores: a server or bench the suite starts on OpenBLAS runs it on one
+# thread, as this process's reference BLAS does. OpenBLAS's own threads busy-wait between
+# calls, so at its default (a thread per core) it took the other worker's core for as long
+# as it decoded (the bench smoke: 14.8 CPU-minutes in 8.9 minutes alone, 16 minutes beside
+# the suite; 10.6 CPU-minutes in 9.5 minutes on one thread).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded SmolLM2-135M-Instruct, converted on first use, loaded once."""

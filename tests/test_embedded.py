@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bench.workloads import CASES, SYSTEM, Case
 from tests import tally
+from tests.rotation import SEED, runs
 from oracle import BudgetOracle, reference_decode, report
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
@@ -47,7 +48,11 @@ def constraint_of(case: Case) -> Constraint:
 
 
 def fast(engine, case: Case, mode: str):
-    """The MLX path's result for (case, mode), computed once per session."""
+    """The MLX path's result for (case, mode), computed once per session. Greedy runs every
+    case each run; seeded half of them, the other half under the next corpus seed
+    (`tests.rotation`; the tiny matrix checks every case against the oracle each run)."""
+    if mode == "seeded" and not runs("embedded", case.name):
+        pytest.skip(f"seeded {case.name}: decoded under the next corpus seed (seed {SEED})")
     key = (case.name, mode)
     if key not in _results:
         ids = engine.chat_prompt(case.messages(), constrained=True)

@@ -23,6 +23,7 @@ from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
 from tests import tally
 from tests.exactness import plain
+from tests.rotation import SEED, half
 from tests.spec_matrix import SHORT_CASES, short_prompt
 
 MAX_TOKENS = 24
@@ -94,7 +95,8 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
     """The shipped draft: this mode's half of {k 2, 8} x {masking on, off} x {forced on,
     off}, plus lookup on and the serving defaults (lookup, confidence-gated drafting), with
     suffix proposals, and with both and token trees (the draft's alternatives and the
-    earlier answers' other runs as branches), each equal to plain decoding."""
+    earlier answers' other runs as branches), each equal to plain decoding. A run decodes
+    half of these eight, the other half under the next corpus seed (`tests.rotation`)."""
     e = distilled_engine
     ids = short_prompt(e, case)
     c = Constraint(case.kind, case.value)  # type: ignore[arg-type]
@@ -107,6 +109,7 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
               # a pinned threshold: the engine's price may leave a CPU's rounds chains
               SpecConfig(4, lookup=True, suffix=True, draft_min_prob=0.3, tree=8,
                          tree_min_score=0.15)]
+    cells = half(cells, case.name, mode)
     # Earlier answers for the suffix cell: the other mode's, and this one with every fifth
     # token changed (runs accepted, then a rejection mid-round).
     other = plain(e, ids, c, MODES["seeded" if p.greedy else "greedy"], MAX_TOKENS)
@@ -125,7 +128,8 @@ def test_distilled_draft_matrix_equals_plain(distilled_engine, case, mode):
             bad.append((spec, got.stats.counters.grammar_cuts))
         assert not spec.suffix or got.stats.counters.source_counts()["suffixed_accepted"] > 0
         assert not spec.tree or got.stats.counters.branched > 0  # the tree did branch
-    assert not bad, f"cells differing from plain (or cutting with masking on): {bad}"
+    assert not bad, (f"cells differing from plain (or cutting with masking on), corpus seed "
+                     f"{SEED}: {bad}")
 
 
 @pytest.mark.parametrize("draft_name", ["distilled", "none"])

@@ -4,10 +4,6 @@ the regression scenarios, and the full exactness matrix against plain decoding a
 
 from __future__ import annotations
 
-import datetime
-import os
-import zlib
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -25,6 +21,7 @@ from specdec.sampling import (SamplingParams, apply_mask, pick, position_noise,
 from specdec.request_grammar import single_allowed
 from specdec.speculative import DraftConfigError, SpecConfig, SpecStats, space_mask
 from tests import tally
+from tests.rotation import SEED, half
 from tests.tiny import EOS, WIDTH, drain, tiny_llama
 from tests.tiny import plain_steps as decode_steps
 from tests.tiny import spec_steps as speculative_steps
@@ -237,16 +234,8 @@ CELLS = [(k, dm, fd) for k in KS for dm in (True, False) for fd in (True, False)
 
 
 LOOKUP_CELLS = [(k, dm, fd) for k, dm, fd in CELLS if k in (2, 8)]
-# Which half of a draft model's 16 cells a run decodes (the other half under the next seed):
-# `SPECDEC_CORPUS_SEED`, default the day number, as the corpus tests rotate theirs.
-SEED = int(os.environ.get("SPECDEC_CORPUS_SEED") or datetime.date.today().toordinal())
-
-
-def half(cells: list, *key: str) -> list:
-    """Half of `cells`, which half a function of `key` and the seed: two consecutive seeds
-    decode them all."""
-    at = zlib.crc32("/".join(key).encode()) + SEED
-    return [c for i, c in enumerate(cells) if (i + at) % 2 == 0]
+# Each draft decodes half of its cells a run (the other half under the next seed:
+# `tests.rotation`, the seed the corpus tests rotate theirs by).
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
@@ -257,8 +246,9 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
                                draft_name, mode):
     """Every {k} x {draft masking} x {forced drafting} cell equals plain decoding and the
     oracle token for token; cuts are 0 whenever draft masking is on. A draft model alone
-    ("self", "bad", "none") decodes half of its 16 cells each run, the other half under the
-    next seed (`half`; the seed is in the summary). "+lookup": the serving
+    ("self", "bad", "none") decodes half of its 16 cells each run, a "+" draft half of its 8,
+    the other half under the next seed (`tests.rotation.half`; the seed is in the summary).
+    "+lookup": the serving
     defaults on top (forced, then lookup, then the draft model, drafting ends below p=0.3).
     "+suffix": those and proposals from earlier answers (`lookup.SuffixStore`) holding the
     other mode's answer and this answer with every seventh token changed, so runs of them
@@ -267,7 +257,7 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
     (`SpecConfig.tree`) over drafts unsure enough to branch, whose branches are accepted
     and rejected."""
     params = GREEDY if mode == "greedy" else SEEDED
-    note = f"tiny matrix seed {SEED} (SPECDEC_CORPUS_SEED): half of each draft model's cells"
+    note = f"tiny matrix seed {SEED} (SPECDEC_CORPUS_SEED): half of each draft's cells"
     if note not in tally.NOTES:
         tally.NOTES.append(note)
     g = compiler.compile(Constraint(case.kind, case.value))  # type: ignore[arg-type]
@@ -288,7 +278,7 @@ def test_exactness_matrix_tiny(target, bad_draft, soft_drafts, compiler, prompt,
         store.add(g.text, other[0], lead=prompt)
         store.add(None, [t if i % 7 != 6 else (t + 1) % WIDTH for i, t in enumerate(want[0])],
                   lead=prompt)
-    for k, dm, fd in (LOOKUP_CELLS if lookup else half(CELLS, case.name, draft_name, mode)):
+    for k, dm, fd in half(LOOKUP_CELLS if lookup else CELLS, case.name, draft_name, mode):
         got, st = spec_run(target, draft, prompt, g.matcher(), params, max_tokens=40,
                            spec=SpecConfig(k, dm, fd, lookup=bool(lookup),
                                            suffix=lookup == "suffix",
