@@ -35,6 +35,7 @@ from .config import GRAMMAR_CACHE_MB
 from .errors import GrammarError, Overspent, RequestError  # noqa: F401
 from .reasoning import Markup, Thinking, think_grammar
 from .request import Constraint, ConstraintKind
+from .schema_rewrite import rewrite
 from .types import GrammarState
 
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
@@ -110,7 +111,8 @@ def to_grammar(c: Constraint) -> str:
                                    f"(got {c.value!r}); use json_schema for a schema")
             schema: dict[str, Any] = {"type": "object"}
         else:
-            schema = schema_dict(c.value)
+            # keywords the compiler does not hold, rewritten exactly into ones it does
+            schema = rewrite(schema_dict(c.value))
         opts = dict(JSON_DEFAULTS, **dict(c.json_options))
         if c.lenient:
             opts["lenient"] = True
