@@ -58,9 +58,25 @@ class Unsupported(Exception):
 def rewrite(schema: Any) -> Any:
     """`schema` with every keyword this module holds rewritten (a new object; the input is
     not changed). Keywords it cannot rewrite exactly stay as written."""
+    # a `then`/`else` with no `if` (and an `if` alone) has no effect and is dropped, unless
+    # a `$ref` points into one of them
+    pointed = {seg for ref in _refs(schema) for seg in ref.split("/")}
+    return _rewrite(schema, keep_lone=bool(pointed & {"if", "then", "else"}))
+
+
+def _refs(x: Any) -> list[str]:
+    if isinstance(x, dict):
+        out = [x["$ref"]] if isinstance(x.get("$ref"), str) else []
+        return out + [r for v in x.values() for r in _refs(v)]
+    if isinstance(x, list):
+        return [r for v in x for r in _refs(v)]
+    return []
+
+
+def _rewrite(schema: Any, keep_lone: bool) -> Any:
     if isinstance(schema, bool) or not isinstance(schema, dict):
         return schema
-    s = {k: _children(k, v) for k, v in schema.items()}
+    s = {k: _children(k, v, keep_lone) for k, v in schema.items()}
     extra: list[Any] = []
     _unevaluated(s)
     dr = s.pop("dependentRequired", None)
@@ -74,6 +90,12 @@ def rewrite(schema: Any) -> Any:
         for name, sub in ds.items():
             extra.append({"anyOf": [{"properties": {name: False}},
                                     {"required": [name], "allOf": [sub]}]})
+    if not keep_lone:
+        if "if" in s and "then" not in s and "else" not in s:
+            s.pop("if")
+        if "if" not in s:
+            s.pop("then", None)
+            s.pop("else", None)
     if "if" in s:
         cond = s["if"]
         try:
@@ -97,13 +119,14 @@ def rewrite(schema: Any) -> Any:
     return s
 
 
-def _children(key: str, value: Any) -> Any:
+def _children(key: str, value: Any, keep_lone: bool) -> Any:
     if key in _CHILD_MAPS and isinstance(value, dict):
-        return {k: rewrite(v) for k, v in value.items()}
+        return {k: _rewrite(v, keep_lone) for k, v in value.items()}
     if key in _CHILD_ONE:
-        return [rewrite(v) for v in value] if isinstance(value, list) else rewrite(value)
+        return ([_rewrite(v, keep_lone) for v in value] if isinstance(value, list)
+                else _rewrite(value, keep_lone))
     if key in _CHILD_LISTS and isinstance(value, list):
-        return [rewrite(v) for v in value]
+        return [_rewrite(v, keep_lone) for v in value]
     return value
 
 
@@ -144,15 +167,15 @@ def _property_names(s: dict[str, Any]) -> None:
     names = _name_pattern(pn)
     if names is None:
         return
+    if s.get("patternProperties"):
+        return  # its names and these would have to be intersected: left as written
     addl = s.get("additionalProperties", True)
-    if s.get("patternProperties") and addl is not False:
-        return  # the two name patterns would have to be intersected: left as written
     s.pop("propertyNames")
     props = {k: (v if names and re.search(names, k) else False)
              for k, v in s.get("properties", {}).items()}
     if props:
         s["properties"] = props
-    if addl is not False and not s.get("patternProperties"):
+    if addl is not False:
         s["additionalProperties"] = False
         if names:
             s["patternProperties"] = {names: addl}

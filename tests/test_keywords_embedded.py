@@ -77,3 +77,19 @@ def test_a_rewritten_keyword_holds_against_a_prompt_to_break_it(engines, name, m
     bad = run_cells(engines, ids, c, MODES[mode], MAX_TOKENS, CELLS,
                     "embedded: rewritten keywords, speculative vs plain")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_at_its_minimum_budget_the_answer_still_validates(engines, name):
+    # The budget rule closes the rewritten grammar as any other: the fewest tokens that can
+    # finish a valid document (the dependent property, the other country's code included),
+    # and at exactly that many the greedy answer parses and validates.
+    prompt, schema = CASES[name]
+    e = engines["none"]
+    ids = e.chat_prompt([{"role": "user", "content": prompt}], constrained=True)
+    c = Constraint.json_schema(schema)
+    closing = e.prepare(ids, constraint=c, max_tokens=1024).closing
+    assert closing is not None and closing.minimum > 0
+    got = plain(e, ids, c, MODES["greedy"], closing.minimum)
+    assert len(got.tokens) <= closing.minimum
+    jsonschema.Draft202012Validator(schema).validate(json.loads(got.text))
