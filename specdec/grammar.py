@@ -22,7 +22,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import llguidance
 import llguidance.hf
@@ -109,18 +109,20 @@ def to_grammar(c: Constraint) -> str:
             if c.value not in (None, True, {}, {"type": "object"}):
                 raise GrammarError("json_object", "json_object takes no schema "
                                    f"(got {c.value!r}); use json_schema for a schema")
-            schema: dict[str, Any] = {"type": "object"}
-        else:
-            # keywords the compiler does not hold, rewritten exactly into ones it does
-            schema = rewrite(schema_dict(c.value))
-        opts = dict(JSON_DEFAULTS, **dict(c.json_options))
-        if c.lenient:
-            opts["lenient"] = True
-            opts["coerce_one_of"] = True
+            return _json_grammar(c.kind, '{"type": "object"}', c.lenient, c.json_options)
+        value = c.value
+        if not isinstance(value, str):
+            try:
+                value = json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise GrammarError("json_schema", f"schema is not JSON: {e}") from e
         try:
-            return LLMatcher.grammar_from_json_schema(schema, defaults=opts)  # type: ignore[arg-type]
-        except (ValueError, TypeError) as e:
-            raise GrammarError(c.kind, str(e)) from e
+            hash(c.json_options)
+        except TypeError:  # options that cannot key the cache: converted every time
+            return _json_grammar.__wrapped__(c.kind, value, c.lenient, c.json_options)
+        if len(value) > _JSON_GRAMMAR_TEXT_MAX:
+            return _json_grammar.__wrapped__(c.kind, value, c.lenient, c.json_options)
+        return _json_grammar(c.kind, value, c.lenient, c.json_options)
     if c.kind == "regex":
         if not isinstance(c.value, str) or not c.value:
             raise GrammarError("regex", f"pattern must be a non-empty string, got {c.value!r}")
@@ -139,6 +141,29 @@ def to_grammar(c: Constraint) -> str:
     if bad:
         raise GrammarError("choice", f"every choice must be a non-empty string, got {bad[0]!r}")
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+
+
+# The grammar text of the schemas seen last, by their JSON text: the keyword rewrite and
+# llguidance's conversion run once per schema, not once per request (~0.1 ms of Python per
+# request otherwise). A schema's text larger than this is converted every time.
+_JSON_GRAMMAR_TEXT_MAX = 64 << 10
+
+
+@functools.lru_cache(maxsize=256)
+def _json_grammar(kind: str, text: str, lenient: bool,
+                  options: tuple[tuple[str, Any], ...]) -> str:
+    """The llguidance grammar of a JSON schema given as JSON text (raises `GrammarError`;
+    errors are not cached)."""
+    # keywords the compiler does not hold, rewritten exactly into ones it does
+    schema = rewrite(schema_dict(text))
+    opts = dict(JSON_DEFAULTS, **dict(options))
+    if lenient:
+        opts["lenient"] = True
+        opts["coerce_one_of"] = True
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=opts)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as e:
+        raise GrammarError(kind, str(e)) from e
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ Every rewrite is checked against `jsonschema` on generated instances
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -55,9 +56,23 @@ class Unsupported(Exception):
     """A schema `negate` cannot complement exactly (the keyword in `args[0]`)."""
 
 
+# Any of the keywords held here, as a key or a string anywhere in a schema's JSON text: a
+# schema without one (most) is handed on as it came, at the cost of one `json.dumps`.
+_HELD = re.compile(r'"(?:dependentRequired|dependentSchemas|if|then|else|not|propertyNames'
+                   r'|unevaluatedProperties|unevaluatedItems)"')
+
+
 def rewrite(schema: Any) -> Any:
-    """`schema` with every keyword this module holds rewritten (a new object; the input is
-    not changed). Keywords it cannot rewrite exactly stay as written."""
+    """`schema` with every keyword this module holds rewritten (a new object where one was
+    rewritten; the input is never changed). Keywords it cannot rewrite exactly stay as
+    written."""
+    if not isinstance(schema, dict):
+        return schema
+    try:
+        if not _HELD.search(json.dumps(schema)):
+            return schema
+    except (TypeError, ValueError):  # not JSON as it stands: the walk below decides
+        pass
     # a `then`/`else` with no `if` (and an `if` alone) has no effect and is dropped, unless
     # a `$ref` points into one of them
     pointed = {seg for ref in _refs(schema) for seg in ref.split("/")}
