@@ -23,6 +23,7 @@ documents, server-tool blocks), server tools, a trailing assistant turn (prefill
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -106,15 +107,27 @@ def _tool_choice(body: CountTokensBody) -> tuple[ToolChoice, bool]:
 # Keywords the anthropic SDK's `transform_schema` (`messages.parse`, `output_format=Model`)
 # moves out of a schema into its description as `{key: value, ...}` (Python's str of each
 # value), and that this server enforces: they are put back (`restore_moved`).
+# Those whose values are subschemas (the rewritten keywords, specdec/schema_rewrite.py) come
+# as Python's repr of a dict, list or bool, read back as literals only (`ast.literal_eval`).
+SCHEMA_MOVED = frozenset({"if", "then", "else", "not", "dependentRequired",
+                          "dependentSchemas", "propertyNames", "unevaluatedProperties",
+                          "unevaluatedItems"})
 MOVED_KEYWORDS = frozenset({
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "multipleOf", "minItems", "maxItems", "uniqueItems",
-    "minProperties", "maxProperties"})
+    "minProperties", "maxProperties"}) | SCHEMA_MOVED
+_UNREAD = object()
 _MOVED = re.compile(r"(?:\A|\n\n)\{((?:[A-Za-z]+): .*)\}\Z", re.S)
 _MOVED_KEY = re.compile(r"(?:\A|, )([A-Za-z]+): ")
 
 
-def _moved_value(text: str) -> Any:
+def _moved_value(text: str, name: str = "") -> Any:
+    if name in SCHEMA_MOVED:
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            return _UNREAD
+        return value if isinstance(value, (dict, list, bool)) else _UNREAD
     if text in ("True", "False"):
         return text == "True"
     try:
@@ -149,7 +162,10 @@ def restore_moved(schema: Any) -> Any:
         name = k.group(1)
         if name in out:  # not moved, then: leave it all as sent
             return {**out, "description": desc}
-        out[name] = _moved_value(body[k.end():nxt.start() if nxt is not None else len(body)])
+        value = _moved_value(body[k.end():nxt.start() if nxt is not None else len(body)], name)
+        if value is _UNREAD:  # not a literal: leave it all as sent
+            return {**out, "description": desc}
+        out[name] = value
     before = desc[:m.start()]
     if before:
         out["description"] = before

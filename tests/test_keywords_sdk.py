@@ -70,6 +70,8 @@ def test_responses_parse(app):
 
 
 def test_messages_parse(app):
+    # The anthropic SDK moves the keywords its API does not take (`if`/`then` here) into the
+    # description as Python's repr; the server reads them back as literals and enforces them.
     m = app.anthropic_client().messages.parse(
         model="default", max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": ASK}],
         output_format=Order, extra_body={"temperature": 0},
