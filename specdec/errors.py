@@ -161,6 +161,16 @@ class GrammarError(RequestError):
         self.constraint_kind = kind
 
 
+class SchemaNotRewritable(GrammarError):
+    """A JSON schema the keyword rewrite (`schema_rewrite`) cannot hold exactly (`not` of a
+    `pattern`, say). Caught there: the keyword stays as written, for the compiler to refuse
+    (strict) or warn about (lenient)."""
+
+    def __init__(self, keyword: str) -> None:
+        super().__init__("json_schema", f"{keyword!r} cannot be rewritten exactly")
+        self.keyword = keyword
+
+
 class CompileTimeout(GrammarError):
     """A constraint that did not compile within the request's time limit."""
 

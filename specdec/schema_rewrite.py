@@ -35,6 +35,8 @@ import json
 import re
 from typing import Any
 
+from .errors import SchemaNotRewritable
+
 # In-place applicators: keywords whose subschemas evaluate the same instance (and so can
 # mark its properties or items evaluated).
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "$ref",
@@ -52,8 +54,7 @@ _CHILD_ONE = ("items", "additionalProperties", "contains", "propertyNames", "not
 _CHILD_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 
 
-class Unsupported(Exception):
-    """A schema `negate` cannot complement exactly (the keyword in `args[0]`)."""
+Unsupported = SchemaNotRewritable  # a schema `negate` cannot complement exactly
 
 
 # Any of the keywords held here, as a key or a string anywhere in a schema's JSON text: a

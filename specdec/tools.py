@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from .errors import GrammarError
 from .reasoning import Markup, find_protocol
+from .schema_rewrite import rewrite
 
 
 ID = "\x00"  # where a call's id sits in a segment
@@ -596,7 +597,7 @@ def _schema(t: ToolSpec, schema: Mapping[str, Any]) -> str:
     opts = dict(JSON_OPTIONS)
     if not t.strict:
         opts.update(lenient=True, coerce_one_of=True)
-    s = dict(schema)
+    s = dict(rewrite(dict(schema)))  # the keywords the compiler does not hold, rewritten
     s["x-guidance"] = {**opts, **dict(s.get("x-guidance") or {})}
     return "%json " + json.dumps(s, ensure_ascii=False)
 
