@@ -117,12 +117,11 @@ def to_grammar(c: Constraint) -> str:
             except (TypeError, ValueError) as e:
                 raise GrammarError("json_schema", f"schema is not JSON: {e}") from e
         try:
-            hash(c.json_options)
-        except TypeError:  # options that cannot key the cache: converted every time
-            return _json_grammar.__wrapped__(c.kind, value, c.lenient, c.json_options)
-        if len(value) > _JSON_GRAMMAR_TEXT_MAX:
-            return _json_grammar.__wrapped__(c.kind, value, c.lenient, c.json_options)
-        return _json_grammar(c.kind, value, c.lenient, c.json_options)
+            cacheable = hash(c.json_options) is not None and len(value) <= _JSON_GRAMMAR_TEXT_MAX
+        except TypeError:  # options that cannot key the cache
+            cacheable = False
+        convert = _json_grammar if cacheable else _json_grammar.__wrapped__
+        return convert(c.kind, value, c.lenient, c.json_options)
     if c.kind == "regex":
         if not isinstance(c.value, str) or not c.value:
             raise GrammarError("regex", f"pattern must be a non-empty string, got {c.value!r}")
