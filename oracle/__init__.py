@@ -9,6 +9,8 @@ from .closing import BudgetOracle
 from .compare import (Divergence, LogprobComparison, ServedLogprob, compare_logprobs,
                       first_divergence, report)
 from .reference import OracleResult, OracleStep, ThinkingRule, reference_decode
+from .unique import UniqueOracle
 
 __all__ = ["BudgetOracle", "Divergence", "LogprobComparison", "OracleResult", "OracleStep", "ServedLogprob",
-           "ThinkingRule", "compare_logprobs", "first_divergence", "reference_decode", "report"]
+           "ThinkingRule", "UniqueOracle", "compare_logprobs", "first_divergence", "reference_decode",
+           "report"]

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .closing import BudgetOracle
 from .sampler import decision_scores, gumbel, log_probs, top_logprobs, unpack_mask
+from .unique import UniqueOracle
 
 SPOT_CHECKS = 6  # tokens per step whose mask bit is re-derived with validate_tokens
 # How far below the n-th logprob the oracle still lists tokens (`OracleStep.near_cut`), for
@@ -73,7 +74,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                      logit_bias: Sequence[tuple[int, float]] = (),
                      thinking: ThinkingRule | None = None,
                      logprobs: int | None = None, cache: list | None = None,
-                     budget: BudgetOracle | None = None) -> OracleResult:
+                     budget: BudgetOracle | None = None,
+                     unique: UniqueOracle | None = None) -> OracleResult:
     """Decode like the contract says, one forward per token, checking masks as it goes.
 
     Args:
@@ -119,6 +121,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         if t < vocab_size:
             bias[t] += np.float32(v)
     forced = 0  # end-marker tokens the thinking budget has forced
+    if unique is not None and (budget is not None or thinking is not None):
+        raise ValueError("the oracle's uniqueItems rule runs without a budget or thinking")
     if budget is not None and matcher is not None:
         budget.thinking = thinking
         budget.start(matcher)
@@ -149,6 +153,24 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
         noise = None if temperature == 0.0 else gumbel(seed, i, vocab_size)
         scores = decision_scores(x, temperature=temperature, top_k=top_k, top_p=top_p,
                                  noise=noise)
+        if unique is not None and matcher is not None:
+            if top_k or top_p < 1.0 or logprobs is not None:  # the whole mask
+                for t in np.flatnonzero(np.isfinite(x)).tolist():
+                    if unique.refuses(matcher, t):
+                        x[t] = -np.inf
+                scores = decision_scores(x, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, noise=noise)
+            else:  # the best two it takes
+                kept = 0
+                for t in np.argsort(-scores, kind="stable").tolist():
+                    if kept == 2 or not np.isfinite(scores[t]):
+                        break
+                    if unique.refuses(matcher, t):
+                        x[t] = scores[t] = -np.inf
+                    else:
+                        kept += 1
+                if not kept:
+                    raise OracleError(f"step {i}: the uniqueItems rule leaves no token")
         tok = picked = int(np.argmax(scores))
         if budget is not None and matcher is not None:
             tok = budget.choose(matcher, i, tok, scores, forced_before, forced)
@@ -168,6 +190,8 @@ def reference_decode(model: Callable, prompt: Sequence[int], *, vocab_size: int,
                 raise OracleError(f"step {i}: matcher refused its own allowed token {tok}")
             if was_stopped and tok not in eos:
                 raise OracleError(f"step {i}: grammar complete but {tok} was allowed")
+        if unique is not None:
+            unique.took(tok)
         if tok in eos:
             finish = "stop"
             break

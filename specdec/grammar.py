@@ -37,6 +37,8 @@ from .reasoning import Markup, Thinking, think_grammar
 from .request import Constraint, ConstraintKind
 from .schema_rewrite import rewrite
 from .types import GrammarState
+from .unique import MARK, UniqueRule, Vocab, mark
+from .unique import state as unique_state
 
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
 
@@ -155,6 +157,8 @@ def _json_grammar(kind: str, text: str, lenient: bool,
     errors are not cached)."""
     # keywords the compiler does not hold, rewritten exactly into ones it does
     schema = rewrite(schema_dict(text))
+    # each uniqueItems the rule beside the grammar can follow, marked for it (`unique`)
+    schema = mark(schema)
     opts = dict(JSON_DEFAULTS, **dict(options))
     if lenient:
         opts["lenient"] = True
@@ -185,6 +189,8 @@ class CompiledGrammar:
                                                         compare=False)
     # the compiler whose cache holds it (a weak reference), for `evict`
     _owner: Any = field(default=None, repr=False, compare=False)
+    # the uniqueness rule of a schema with `uniqueItems` (`unique.UniqueRule`), or None
+    unique: UniqueRule | None = field(default=None, repr=False, compare=False)
 
     def evict(self) -> None:
         """Leave the compiler's cache (a grammar that failed at its first step: too costly
@@ -194,8 +200,13 @@ class CompiledGrammar:
             owner.forget(self)
 
     def matcher(self) -> LLMatcher:
-        """A fresh matcher at the start of the grammar."""
+        """A fresh matcher at the start of the grammar (the grammar alone)."""
         return self._template.deep_copy()
+
+    def state(self) -> GrammarState:
+        """A fresh state at the start of the grammar, with the rule beside it where the
+        schema has one (`uniqueItems`): what a request decodes with."""
+        return unique_state(self._template.deep_copy(), self.unique)
 
 
 GRAMMAR_CACHE_BYTES = GRAMMAR_CACHE_MB << 20  # a compiler's cache of compiled grammars
@@ -402,6 +413,8 @@ class GrammarCompiler:
         self.misses = 0
         self.evictions = 0
         self._orders: dict[int, ClosingOrder] = {}
+        self._vocab: Vocab | None = None
+        self._vocab_lock = threading.Lock()
 
     @property
     def cached_bytes(self) -> int:
@@ -552,7 +565,7 @@ class GrammarCompiler:
                 return hit
             self._measuring += 1
         try:
-            compiled = self._compile(c, text)
+            compiled = self._compile(c, text, thinking)
         finally:
             with self._lock:
                 self._measuring -= 1
@@ -573,7 +586,25 @@ class GrammarCompiler:
             self._let_go()
         return compiled
 
-    def _compile(self, c: Constraint, text: str) -> CompiledGrammar:
+    def vocab(self) -> Vocab:
+        """The tokenizer's bytes per token, as the uniqueness rule reads them (made once)."""
+        with self._vocab_lock:
+            if self._vocab is None:
+                self._vocab = Vocab(self.tokenizer)
+            return self._vocab
+
+    def _unique_rule(self, text: str, thinking: Thinking | None) -> UniqueRule | None:
+        """The uniqueness rule of a grammar whose schema has a followed `uniqueItems`."""
+        if MARK not in text:
+            return None
+        schemas = [g["json_schema"] for g in json.loads(text).get("grammars", [])
+                   if isinstance(g.get("json_schema"), dict)]
+        if not schemas:
+            return None
+        return UniqueRule(schemas[0], self.vocab(), thinking)
+
+    def _compile(self, c: Constraint, text: str, thinking: Thinking | None = None
+                 ) -> CompiledGrammar:
         """Compile `text` (of constraint `c`), measuring the heap it adds."""
         limits = llguidance.LLParserLimits(**self.limits)
         before = _heap_but_arrays()
@@ -600,4 +631,5 @@ class GrammarCompiler:
         nbytes = (grammar_bytes_estimate(text) if before is None or after is None
                   else max(after - before, 2 * len(text.encode())))
         return CompiledGrammar(text, tuple(map(_keyword_warning, messages)), template, nbytes,
-                               _owner=weakref.ref(self))
+                               _owner=weakref.ref(self),
+                               unique=self._unique_rule(text, thinking))

@@ -584,9 +584,9 @@ class Preparer:
         if grammar is None:
             return None
         if req.thinking is not None:  # (without a budget: the budget rule's walk)
-            return ThinkingCursor.of(grammar.matcher(), self.compiler.markup, req.thinking,
-                                     self.target.vocab_size)
-        return grammar.matcher()
+            return ThinkingCursor.of(grammar.state(), self.compiler.markup,  # type: ignore
+                                     req.thinking, self.target.vocab_size)
+        return grammar.state()
 
 
 def _thinking_before_calls(thinking: Thinking, fmt: ToolFormat) -> Thinking:

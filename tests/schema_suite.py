@@ -115,7 +115,7 @@ class Feeder:
             ids = [self.byte_token[b] for b in data]
             return m if m.try_consume_tokens(ids) == len(ids) else None
 
-        return _value(grammar.matcher(), instance, feed, lambda m: m.is_accepting())
+        return _value(grammar.state(), instance, feed, lambda m: m.is_accepting())
 
 
 Feed = Callable[[LLMatcher, bytes], "LLMatcher | None"]

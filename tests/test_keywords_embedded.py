@@ -1,10 +1,15 @@
-"""The keywords enforced by rewrite (specdec/schema_rewrite.py) on the embedded model: for each,
-a strict schema and a prompt that pushes the model to break it (leave out the dependent
-property, write the forbidden value, the other country's postal code, a capitalised key,
-an extra property). At temperature 0 and at two seeds at temperature 0.9 the answer
-validates against the schema as written (`jsonschema`, not the rewrite), and the shipped
+"""The keywords enforced by rewrite (specdec/schema_rewrite.py) and by the uniqueness rule
+(specdec/unique.py) on the embedded model: for each, a strict schema and a prompt that
+pushes the model to break it (leave out the dependent property, write the forbidden value,
+the other country's postal code, a capitalised key, an extra property, repeat an item).
+At temperature 0 and at two seeds at temperature 0.9 the answer validates against the
+schema as written (`jsonschema`, not the rewrite), and the shipped
 speculative defaults (distilled draft, lookup, gated drafting, token trees) emit plain
-decoding's tokens (the other proposer cells are the tiny matrix's and the corpus's)."""
+decoding's tokens (the other proposer cells are the tiny matrix's and the corpus's). Under
+the uniqueness rule plain decoding is also the oracle's, which reads the rule from the
+schema itself (oracle/unique.py), and every proposer cell of the tiny matrix's kinds (draft
+model masked and unmasked, lookup, earlier answers, token trees, batching; half of them a
+run, `tests.rotation`) emits plain's tokens."""
 
 from __future__ import annotations
 
@@ -16,7 +21,10 @@ import pytest
 from specdec.grammar import Constraint
 from specdec.sampling import SamplingParams
 from specdec.speculative import SpecConfig
+from oracle import UniqueOracle, reference_decode, report
+from tests import tally
 from tests.exactness import Cell, plain, run_cells
+from tests.rotation import half, runs
 
 MAX_TOKENS = 48
 MODES = {"greedy": SamplingParams(), "t0.9-seed1": SamplingParams(0.9, seed=1),
@@ -62,6 +70,28 @@ CASES = {
         {"type": "object", "required": ["title"], "unevaluatedProperties": False,
          "properties": {"title": {"type": "string", "maxLength": 24}}}),
 }
+UNIQUE = {
+    "uniqueItems (strings)": (
+        "Write a JSON object whose tags are apple, apple, apple and apple.",
+        {"type": "object", "additionalProperties": False, "required": ["tags"],
+         "properties": {"tags": {"type": "array", "uniqueItems": True, "minItems": 3,
+                                 "maxItems": 4, "items": {"type": "string", "maxLength": 12}}}}),
+    "uniqueItems (enum)": (
+        "List the color red three times in JSON.",
+        {"type": "object", "additionalProperties": False, "required": ["colors"],
+         "properties": {"colors": {"type": "array", "uniqueItems": True, "minItems": 3,
+                                   "items": {"enum": ["red", "green", "blue"]}}}}),
+    "uniqueItems (integers)": (
+        "Give the number 7 four times as a JSON list of integers.",
+        {"type": "array", "uniqueItems": True, "minItems": 4, "maxItems": 4,
+         "items": {"type": "integer", "minimum": 0, "maximum": 20}}),
+}
+CASES.update(UNIQUE)
+# the tiny matrix's proposer kinds, under the uniqueness rule
+UNIQUE_CELLS = [Cell("distilled", SpecConfig(4, draft_masking=True)),
+                Cell("distilled", SpecConfig(4, draft_masking=False)),
+                Cell("self", SpecConfig(2, draft_masking=True, tree=3)),
+                Cell("none", SpecConfig(4, lookup=True, suffix=True))]
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -93,3 +123,55 @@ def test_at_its_minimum_budget_the_answer_still_validates(engines, name):
     got = plain(e, ids, c, MODES["greedy"], closing.minimum)
     assert len(got.tokens) <= closing.minimum
     jsonschema.Draft202012Validator(schema).validate(json.loads(got.text))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", sorted(UNIQUE))
+def test_under_the_uniqueness_rule_plain_is_the_oracle_and_every_cell_is_plain(
+        engines, embedded, name, mode):
+    if mode != "greedy" and not runs(name, mode):
+        pytest.skip("a seeded mode of this case runs under every other seed (tests.rotation)")
+    prompt, schema = UNIQUE[name]
+    e = engines["none"]
+    ids = e.chat_prompt([{"role": "user", "content": prompt}], constrained=True)
+    c = Constraint.json_schema(schema)
+    p = MODES[mode]
+    got = plain(e, ids, c, p, MAX_TOKENS)
+    vocab = e.compiler.vocab()
+    rule = UniqueOracle(schema, lambda t: vocab.bytes[t] if t < vocab.n else b"",
+                        embedded.vocab_size, set(embedded.eos_token_ids))
+    want = reference_decode(embedded.model, ids, vocab_size=embedded.vocab_size,
+                            eos_token_ids=embedded.eos_token_ids, max_tokens=MAX_TOKENS,
+                            matcher=e.compiler.compile(c).matcher(), temperature=p.temperature,
+                            top_k=p.top_k, top_p=p.top_p, seed=p.seed or 0, unique=rule)
+    div = report(want, got.tokens)
+    same = div is None and got.finish_reason == want.finish_reason
+    tally.record("embedded: uniqueItems, plain vs oracle", same)
+    assert same, f"{name} {mode}: diverged from the oracle at {div} ({got.text!r})"
+    # half the cells a run, the other half under the next seed (`tests.rotation`)
+    bad = run_cells(engines, ids, c, p, MAX_TOKENS, half(UNIQUE_CELLS, name, mode),
+                    "embedded: uniqueItems, speculative vs plain")
+    assert not bad, "\n".join(bad)
+
+
+def test_under_the_uniqueness_rule_a_batch_decodes_as_each_alone(engines):
+    # Every unique case, plain and speculative (distilled draft, masked), submitted at once:
+    # the inline scheduler decodes them together in rounds; each equals its plain decode.
+    from specdec.events import Finished
+
+    e = engines["distilled"]
+    streams, wants = [], []
+    for name in sorted(UNIQUE):
+        prompt, schema = UNIQUE[name]
+        ids = e.chat_prompt([{"role": "user", "content": prompt}], constrained=True)
+        c = Constraint.json_schema(schema)
+        want = plain(engines["none"], ids, c, MODES["greedy"], MAX_TOKENS)
+        for spec in (None, SpecConfig(4, draft_masking=True)):
+            streams.append(e.submit(e.prepare(ids, constraint=c, max_tokens=MAX_TOKENS,
+                                              spec=spec)))
+            wants.append((name, want))
+    for stream, (name, want) in zip(streams, wants):
+        got = next(ev for ev in stream if isinstance(ev, Finished))
+        same = (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        tally.record("embedded: uniqueItems, batched vs plain", same)
+        assert same, f"{name}: {got.text!r} != {want.text!r}"
