@@ -44,6 +44,8 @@ REQUIRED = (
     "agent_loop_by_id_over_resend_computed", "agent_loop_served_ttft_over_bound",
     "agent_loop_served_last_over_cold", "store_bytes_per_unique_50_turns",
     "store_gap_p99_loaded_over_idle", "store_health_p99_ms_loaded",
+    "keywords_compile_over_llguidance_p50", "keywords_mask_fill_over_bare_p50",
+    "keywords_mask_fill_over_bare_p99", "unique_mask_fill_us_p50", "unique_mask_fill_us_p99",
 )
 
 

@@ -156,9 +156,10 @@ def _json_grammar(kind: str, text: str, lenient: bool,
     """The llguidance grammar of a JSON schema given as JSON text (raises `GrammarError`;
     errors are not cached)."""
     # keywords the compiler does not hold, rewritten exactly into ones it does
-    schema = rewrite(schema_dict(text))
+    schema = schema_dict(text)
+    rewritten = rewrite(schema, text)
     # each uniqueItems the rule beside the grammar can follow, marked for it (`unique`)
-    schema = mark(schema)
+    schema = mark(rewritten, text if rewritten is schema else None)
     opts = dict(JSON_DEFAULTS, **dict(options))
     if lenient:
         opts["lenient"] = True

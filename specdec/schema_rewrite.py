@@ -63,14 +63,17 @@ _HELD = re.compile(r'"(?:dependentRequired|dependentSchemas|if|then|else|not|pro
                    r'|unevaluatedProperties|unevaluatedItems)"')
 
 
-def rewrite(schema: Any) -> Any:
+def rewrite(schema: Any, text: str | None = None) -> Any:
     """`schema` with every keyword this module holds rewritten (a new object where one was
     rewritten; the input is never changed). Keywords it cannot rewrite exactly stay as
-    written."""
+    written. `text`: the schema's JSON text where the caller has it (read for the keywords
+    instead of writing it again)."""
     if not isinstance(schema, dict):
         return schema
     try:
-        if not _HELD.search(json.dumps(schema)):
+        if text is None or "\\" in text:  # (a key spelled with an escape: write it plainly)
+            text = json.dumps(schema)
+        if not _HELD.search(text):
             return schema
     except (TypeError, ValueError):  # not JSON as it stands: the walk below decides
         pass

@@ -35,6 +35,7 @@ The oracle (oracle/unique.py) enforces the same rule with its own code.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from decimal import Decimal, InvalidOperation
@@ -165,15 +166,20 @@ class _Schema:
         return out
 
 
-def mark(schema: Any) -> Any:
+def mark(schema: Any, text: str | None = None) -> Any:
     """`schema` with each `uniqueItems: true` the rule can follow replaced by `MARK` (and
-    each `uniqueItems: false` dropped); a new object where anything changed.
+    each `uniqueItems: false` dropped); a new object where anything changed. `text`: its
+    JSON text where the caller has it.
 
     Raises:
         GrammarError: an array whose items can take fewer distinct values than its
             `minItems` asks for.
     """
-    if not isinstance(schema, dict) or '"uniqueItems"' not in json.dumps(schema):
+    if not isinstance(schema, dict):
+        return schema
+    if text is None or "\\" in text:  # (a key spelled with an escape: write it plainly)
+        text = json.dumps(schema)
+    if '"uniqueItems"' not in text:
         return schema
     root = json.loads(json.dumps(schema))  # a copy to mark in place
     facts = _Schema(root)
@@ -307,6 +313,24 @@ def _domain_size(s: Any, facts: _Schema) -> int | None:
     return None
 
 
+def _int_span(bounds: list[tuple[str, float]], most: int = 10_000) -> range | None:
+    """The integers the bounds allow, where both ends are bounded and they number at most
+    `most`."""
+    lo, hi = -float("inf"), float("inf")
+    for k, v in bounds:
+        if k == "minimum":
+            lo = max(lo, np.ceil(v))
+        elif k == "exclusiveMinimum":
+            lo = max(lo, np.floor(v) + 1)
+        elif k == "maximum":
+            hi = min(hi, np.floor(v))
+        else:
+            hi = min(hi, np.ceil(v) - 1)
+    if not (np.isfinite(lo) and np.isfinite(hi)) or hi - lo + 1 > most:
+        return None
+    return range(int(lo), int(hi) + 1)
+
+
 def _canonical_json(v: Any) -> Any:
     if isinstance(v, bool) or v is None:
         return ("b", v)
@@ -327,6 +351,7 @@ class Locator:
 
     def __init__(self, marked_root: dict[str, Any]) -> None:
         self.facts = _Schema(marked_root)
+        self._domains: dict[tuple[int, int], tuple[str, Any] | None] = {}
 
     def expand(self, s: Any, kind: str, out: list[dict[str, Any]], seen: set[int]) -> None:
         if not isinstance(s, dict) or id(s) in seen or not self.facts.marked(s):
@@ -350,6 +375,58 @@ class Locator:
         for p in parents:
             self.expand(p, kind, out, seen)
         return tuple(out) or None
+
+    def domain(self, nodes: tuple[dict[str, Any], ...] | None, index: int
+               ) -> tuple[str, Any] | None:
+        """What the unique array's item at `index` may be, where that is simple: ("plain",
+        its `maxLength` or inf) for a string with length bounds only, ("enum", its values)
+        for an `enum`/`const` (through `$ref` and `allOf`); None for anything else."""
+        if nodes is None:
+            return None
+        key = (id(nodes), index if any(n.get("prefixItems") for n in nodes) else -1)
+        if key in self._domains:
+            return self._domains[key]
+        todo, cap, plain, seen = Locator.item(nodes, index), float("inf"), False, set()
+        values: frozenset[Any] | None = None
+        out: tuple[str, Any] | None = None
+        ints, bounds = False, []
+        while todo:
+            s = todo.pop()
+            if s is True:
+                continue
+            if not isinstance(s, dict) or id(s) in seen or set(s) - _SIMPLE:
+                break
+            seen.add(id(s))
+            if s.get("type") == "string":
+                plain = True
+            elif s.get("type") == "integer":
+                ints = True
+            elif "type" in s:
+                break
+            for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool):
+                    bounds.append((k, s[k]))
+            if "enum" in s or "const" in s:
+                got = frozenset(map(_canonical_json, s["enum"] if isinstance(
+                    s.get("enum"), list) else [s.get("const")]))
+                values = got if values is None else values & got
+            if isinstance(s.get("maxLength"), int):
+                cap = min(cap, s["maxLength"])
+            if isinstance(s.get("$ref"), str):
+                todo.append(self.facts.resolve(s["$ref"]))
+            todo.extend(s.get("allOf", []) if isinstance(s.get("allOf"), list) else [])
+        else:
+            if values is not None and cap == float("inf") and not (
+                    plain and any(v[0] != "s" for v in values)):
+                out = ("enum", values)
+            elif values is None and plain and not ints and not bounds:
+                out = ("plain", cap)
+            elif values is None and ints and not plain:
+                span = _int_span(bounds)
+                if span is not None:
+                    out = ("ints", span)
+        self._domains[key] = out
+        return out
 
     @staticmethod
     def member(nodes: tuple[dict[str, Any], ...], key: str) -> list[Any]:
@@ -385,6 +462,11 @@ class Locator:
         return out
 
 
+# what an item `Locator.domain` decides may hold
+_SIMPLE = frozenset({"type", "maxLength", "minLength", "enum", "const", "$ref", "allOf",
+                     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                     "title", "description", "default", "examples", "$comment", "deprecated",
+                     "readOnly", "writeOnly"})
 # reader modes
 VALUE, OPEN, KEY, COLON, AFTER, STR, NUM, LIT, END = range(9)
 _WS = frozenset(b" \t\n\r")
@@ -447,17 +529,47 @@ class Scan:
         return [x[1] for x in f.items if x[0] == "s" and x[1].startswith(v)]
 
     def at_risk(self) -> bool:
-        """Whether the item under way could still turn out a duplicate."""
+        """Whether the item under way could still turn out a duplicate (then a search over
+        the grammar's masks decides whether it can still differ). Two kinds of item are
+        decided here: a plain string (no `pattern`, `format`, `enum` or `const`) can always
+        differ while it is shorter than its `maxLength` (another character is free to
+        choose), and a string `enum` while one of its unused values starts as it does."""
         f = self.top_unique()
         if f is None or not f.items:
             return False
         if self.mode == VALUE:
-            return True
+            dom = self.loc.domain(f.nodes, f.index)
+            if dom is None:
+                return True
+            if dom[0] == "plain":
+                return dom[1] == 0
+            if dom[0] == "ints":
+                return not any(("n", Decimal(n)) not in f.items for n in dom[1])
+            return not any(e not in f.items for e in dom[1])
         if self.mode == STR and self.item:
-            return bool(self.strings()) or bool(self.esc)
+            if not self.strings():
+                return False  # no earlier item starts so
+            dom = self.loc.domain(f.nodes, f.index)
+            if dom is None or (self.esc and dom[0] == "enum"):
+                return True
+            v = bytes(self.buf)
+            if dom[0] == "enum":
+                return not any(e[0] == "s" and e[1].startswith(v) and e not in f.items
+                               for e in dom[1])
+            done = codecs.getincrementaldecoder("utf-8")("ignore").decode(v)
+            # (a character under way is one character, whichever it turns out)
+            chars = len(done) + (len(done.encode()) < len(v)) + bool(self.esc)
+            return chars >= dom[1]
         if self.mode in (NUM, LIT) and self.item:
             kind = "n" if self.mode == NUM else "b"
-            return any(x[0] == kind for x in f.items)
+            if not any(x[0] == kind for x in f.items):
+                return False
+            dom = self.loc.domain(f.nodes, f.index)
+            if self.mode == NUM and dom is not None and dom[0] == "ints":
+                p = self.buf.decode("latin-1")
+                return not any(str(n).startswith(p) and ("n", Decimal(n)) not in f.items
+                               for n in dom[1])
+            return True
         return False
 
     # -- reading

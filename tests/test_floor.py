@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"types", "errors", "request", "config"}),  # the floor: names every layer shares
     frozenset({"blas", "convert", "ragged", "reasoning", "lookup", "decode", "sampling",
                "chat", "grammar", "tools", "models", "distill_data", "budget",
-               "prompt_bound", "schema_rewrite"}),  # leaves
+               "prompt_bound", "schema_rewrite", "unique"}),  # leaves
     frozenset({"request_grammar", "prepare"}),  # a request's grammar, and the prepared request
     frozenset({"speculative", "events", "output", "core"}),  # the decode core
     frozenset({"scheduler", "distributed"}),  # rounds over requests, and replicas of them

@@ -181,8 +181,9 @@ def test_lenient_schema_reports_what_it_did_not_enforce(server):
     body = {"model": "default", "messages": [{"role": "user", "content": "Numbers"}],
             "max_tokens": 30, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {
-                "name": "n", "schema": {"type": "array", "items": {"type": "integer"},
+                "name": "n", "schema": {"type": "array", "items": {"type": "object"},
                                         "maxItems": 3, "uniqueItems": True}}}}
+    # (items that are objects: the uniqueness rule follows scalar items only)
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120,
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200
@@ -192,6 +193,15 @@ def test_lenient_schema_reports_what_it_did_not_enforce(server):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120,
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and "uniqueItems" in r.json()["error"]["message"]
+    # integers it enforces, strict or not, with no warning
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 3,
+              "uniqueItems": True}
+    body["response_format"]["json_schema"]["schema"] = schema
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and not r.json()["specdec"].get("warnings")
+    items = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert len(items) == 3 and len(set(items)) == 3
 
 
 def post(server, body, key: str | None = KEY, raw: bytes | None = None,
