@@ -11,6 +11,6 @@ from .compare import (Divergence, LogprobComparison, ServedLogprob, compare_logp
 from .reference import OracleResult, OracleStep, ThinkingRule, reference_decode
 from .unique import UniqueOracle
 
-__all__ = ["BudgetOracle", "Divergence", "LogprobComparison", "OracleResult", "OracleStep", "ServedLogprob",
-           "ThinkingRule", "UniqueOracle", "compare_logprobs", "first_divergence", "reference_decode",
-           "report"]
+__all__ = ["BudgetOracle", "Divergence", "LogprobComparison", "OracleResult", "OracleStep",
+           "ServedLogprob", "ThinkingRule", "UniqueOracle", "compare_logprobs",
+           "first_divergence", "reference_decode", "report"]
