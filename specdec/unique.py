@@ -351,7 +351,7 @@ class Locator:
 
     def __init__(self, marked_root: dict[str, Any]) -> None:
         self.facts = _Schema(marked_root)
-        self._domains: dict[tuple[int, int], tuple[str, Any] | None] = {}
+        self._domains: dict[tuple[tuple[int, ...], int], tuple[str, Any] | None] = {}
 
     def expand(self, s: Any, kind: str, out: list[dict[str, Any]], seen: set[int]) -> None:
         if not isinstance(s, dict) or id(s) in seen or not self.facts.marked(s):
@@ -383,7 +383,9 @@ class Locator:
         for an `enum`/`const` (through `$ref` and `allOf`); None for anything else."""
         if nodes is None:
             return None
-        key = (id(nodes), index if any(n.get("prefixItems") for n in nodes) else -1)
+        # (by the schema nodes themselves, which live as long as this locator: a tuple of
+        # them is made per array, and its id may be reused)
+        key = (tuple(map(id, nodes)), index if any(n.get("prefixItems") for n in nodes) else -1)
         if key in self._domains:
             return self._domains[key]
         todo, cap, plain, seen = Locator.item(nodes, index), float("inf"), False, set()

@@ -40,8 +40,9 @@ class FaultyMatcher:
 def install(fail_at: int) -> None:
     from specdec.grammar import CompiledGrammar
 
-    real = CompiledGrammar.matcher
-    CompiledGrammar.matcher = lambda self: FaultyMatcher(real(self), fail_at)  # type: ignore
+    # (a request decodes with `state()`: the matcher, or the matcher with the array rule)
+    real = CompiledGrammar.state
+    CompiledGrammar.state = lambda self: FaultyMatcher(real(self), fail_at)  # type: ignore
 
 
 if __name__ == "__main__":

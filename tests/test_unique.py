@@ -218,3 +218,17 @@ def test_a_string_that_could_only_repeat_is_stopped_before_it_gets_there(compile
     assert _ok(compiler, a, '"') or _ok(compiler, a, '"g')
     assert not state.deep_copy().consume_token(compiler.vocab().ids[b'"red'][0]) \
         if b'"red' in compiler.vocab().ids else True
+
+
+def test_each_array_knows_its_own_item_domain(compiler):
+    # Two sets in one object, items of different kinds: the second array's domain is its
+    # own (a cache keyed by a short-lived tuple's id once gave it the first one's, and the
+    # rule let the enum repeat "S", a dead end the model then met).
+    schema = {"type": "object", "required": ["tags", "sizes"], "additionalProperties": False,
+              "properties": {"tags": {"type": "array", "uniqueItems": True,
+                                      "items": {"type": "string", "maxLength": 12}},
+                             "sizes": {"type": "array", "uniqueItems": True,
+                                       "items": {"enum": ["S", "M", "L"]}}}}
+    for _ in range(3):  # (new arrays, new tuples: ids get reused)
+        _, a = _feed(compiler, schema, '{"tags": ["x", "y"], "sizes": ["S", "')
+        assert not _ok(compiler, a, "S") and _ok(compiler, a, "M")
